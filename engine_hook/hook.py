@@ -1,0 +1,336 @@
+"""Hook: the engine-facing API that stages cache transitions and publishes them into the ring.
+
+Imports: stdlib, numpy, sidecar.shm_ring. Invariants: no public method raises into the engine or
+blocks on the sidecar; every failure is counted in `stats()` and logged at most once per reason per
+interval. Records are staged in a list (one atomic `append` per call under the GIL) and published
+by `flush()`; a background thread flushes every `max_stage_delay_ms`, so no record waits longer
+than that plus one GIL switch interval even when the engine goes idle.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from engine_hook.descriptor import Descriptor
+from engine_hook.resident import ResidentSet
+from sidecar.shm_ring import layout as L
+from sidecar.shm_ring.segment import Segment
+from sidecar.shm_ring.snapshot import SnapshotWriter
+from sidecar.shm_ring.writer import RingWriter
+
+log = logging.getLogger(__name__)
+
+SnapshotProvider = Callable[[], tuple[np.ndarray, np.ndarray]]
+_I64_MIN = -(1 << 63)
+_U64_END = 1 << 64
+LOG_INTERVAL_S = 60.0
+
+
+class _RateLimitedLog:
+    """Counts every event by reason; logs a reason at most once per interval."""
+
+    def __init__(self, interval_s: float = LOG_INTERVAL_S) -> None:
+        self.counts: dict[str, int] = {}
+        self._last: dict[str, float] = {}
+        self._interval = interval_s
+
+    def __call__(self, reason: str, detail: object = "") -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        now = time.monotonic()
+        if now - self._last.get(reason, -1e18) >= self._interval:
+            self._last[reason] = now
+            log.warning(
+                "kvcm hook problem reason=%s count=%d detail=%s",
+                reason,
+                self.counts[reason],
+                detail,
+            )
+
+
+def normalize_keys(keys: Any) -> np.ndarray:
+    """Any int, sequence or integer ndarray -> int64 array of KVCM's signed bit pattern."""
+    if isinstance(keys, np.ndarray):
+        arr = keys.ravel()
+        if arr.dtype == np.int64:
+            return arr
+        if arr.dtype == np.uint64:
+            return arr.view(np.int64)
+        if arr.dtype.kind in "iu":
+            return arr.astype(np.int64)
+        raise TypeError(f"keys array dtype {arr.dtype} is not an integer type")
+    if isinstance(keys, (int, np.integer)) and not isinstance(keys, bool):
+        keys = [int(keys)]
+    out = []
+    for k in keys:
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+            raise TypeError(f"key {k!r} is not an integer")
+        k = int(k)
+        if not _I64_MIN <= k < _U64_END:
+            raise OverflowError(f"key {k} does not fit in 64 bits")
+        out.append(k - _U64_END if k >= 1 << 63 else k)
+    return np.array(out, dtype=np.int64)
+
+
+class Hook:
+    """Publishes one replica's cache transitions. Create it with `engine_hook.attach()`."""
+
+    enabled = True
+
+    def __init__(
+        self,
+        descriptor: Descriptor,
+        segment: Segment,
+        *,
+        start_flusher: bool = True,
+    ) -> None:
+        self.descriptor = descriptor
+        self._seg = segment
+        self._writer = RingWriter(segment, descriptor=descriptor.to_json())
+        self._snap = SnapshotWriter(segment)
+        self._resident: ResidentSet | None = ResidentSet()
+        self._provider: SnapshotProvider | None = None
+        self._staged: list[tuple[Any, int]] = []
+        self._append = self._staged.append
+        self._flush_lock = threading.Lock()
+        self._problem = _RateLimitedLog()
+        self._closed = False
+        self._flushes = 0
+        self._snapshots = 0
+        self._snapshot_last_stall_s = 0.0
+        self._groups = len(descriptor.group_block_bytes)
+        # Dicts, not lists: a negative or unknown group must miss (KeyError), not wrap around.
+        self._stored_meta = {g: L.pack_meta(L.KIND_STORED, g) for g in range(self._groups)}
+        self._removed_meta = {g: L.pack_meta(L.KIND_REMOVED, g) for g in range(self._groups)}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._delay_s = descriptor.max_stage_delay_ms / 1000.0
+        if start_flusher:
+            self._thread = threading.Thread(
+                target=self._flush_loop, name="kvcm-hook-flusher", daemon=True
+            )
+            self._thread.start()
+
+    # ---- hot path -------------------------------------------------------------------------
+    def stored(self, keys: Any, group: int = 0) -> None:
+        """Blocks with these keys now hold `group`'s KV. Never raises, never blocks."""
+        try:
+            if type(keys) is int:
+                self._append((keys, self._stored_meta[group]))
+            else:
+                self._stage_many(keys, self._stored_meta[group])
+        except Exception as exc:  # the engine must never see our failures
+            self._reject(exc)
+
+    def removed(self, keys: Any, group: int = 0) -> None:
+        """Blocks with these keys no longer hold `group`'s KV (evicted or freed)."""
+        try:
+            if type(keys) is int:
+                self._append((keys, self._removed_meta[group]))
+            else:
+                self._stage_many(keys, self._removed_meta[group])
+        except Exception as exc:
+            self._reject(exc)
+
+    def cleared(self) -> None:
+        """Every block of every group is gone (cache reset)."""
+        try:
+            self._append((0, L.KIND_CLEARED))
+        except Exception as exc:
+            self._reject(exc)
+
+    def _stage_many(self, keys: Any, meta: int) -> None:
+        if type(keys) is bool:
+            raise TypeError("a bool is not a block key")
+        arr = normalize_keys(keys)
+        if len(arr):
+            self._append((arr, meta))
+
+    def _reject(self, exc: Exception) -> None:
+        if isinstance(exc, KeyError):
+            self._problem("bad_group", exc)
+        elif isinstance(exc, (TypeError, OverflowError, ValueError)):
+            self._problem("bad_key", exc)
+        else:
+            self._problem("internal", repr(exc))
+
+    # ---- publishing ------------------------------------------------------------------------
+    def flush(self) -> int:
+        """Publish staged records; answer a pending snapshot request. Returns records accepted."""
+        if not self._flush_lock.acquire(blocking=False):
+            return 0  # another thread is flushing; it (or the next tick) publishes ours
+        try:
+            if self._closed:
+                return 0
+            accepted = self._publish_staged()
+            self._writer.stamp()
+            req = self._snap.pending_request()
+            if req:
+                self._answer_snapshot(req)
+            return accepted
+        except Exception as exc:
+            self._problem("flush_failed", repr(exc))
+            return 0
+        finally:
+            self._flush_lock.release()
+
+    def _publish_staged(self) -> int:
+        staged = self._staged
+        n = len(staged)
+        if not n:
+            return 0
+        chunk = staged[:n]  # slicing and deleting are single atomic list operations
+        del staged[:n]
+        self._flushes += 1
+        keys, metas = self._materialize(chunk)
+        accepted = self._writer.write(keys, metas)
+        if self._resident is not None:
+            # The snapshot fence covers accepted records only: dropped ones are resynced anyway.
+            self._resident.apply(keys[:accepted], metas[:accepted])
+        return accepted
+
+    def _materialize(self, chunk: list[tuple[Any, int]]) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            flat = np.fromiter(itertools.chain.from_iterable(chunk), np.int64, 2 * len(chunk))
+            pairs = flat.reshape(-1, 2)
+            return pairs[:, 0], pairs[:, 1].view(np.uint64)
+        except (TypeError, ValueError, OverflowError):
+            pass  # arrays or out-of-int64 keys in the chunk: take the general path
+        keys: list[np.ndarray] = []
+        metas: list[np.ndarray] = []
+        run_k: list[int] = []
+        run_m: list[int] = []
+
+        def close_run() -> None:
+            if run_k:
+                keys.append(normalize_keys(run_k))
+                metas.append(np.array(run_m, dtype=np.uint64))
+                run_k.clear()
+                run_m.clear()
+
+        for item, meta in chunk:
+            if isinstance(item, np.ndarray):
+                close_run()
+                keys.append(item)
+                metas.append(np.full(len(item), meta, dtype=np.uint64))
+            else:
+                try:
+                    normalize_keys([item])
+                except (TypeError, OverflowError) as exc:
+                    self._problem("bad_key", exc)
+                    continue
+                run_k.append(item)
+                run_m.append(meta)
+        close_run()
+        if not keys:
+            return np.empty(0, np.int64), np.empty(0, np.uint64)
+        return np.concatenate(keys), np.concatenate(metas)
+
+    # ---- snapshots -------------------------------------------------------------------------
+    def set_snapshot_provider(self, provider: SnapshotProvider | None) -> None:
+        """Let an engine that can enumerate its cache answer snapshots itself.
+
+        `provider()` returns (keys int64, group masks uint32); a key may repeat with different
+        bits. The engine must update its own state before reporting the transition to the hook,
+        so that every transition already flushed is visible to the provider.
+        """
+        self._provider = provider
+        self._resident = None if provider is not None else ResidentSet()
+
+    def _answer_snapshot(self, req: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._publish_staged()  # the fence covers everything staged before the request
+            fence = self._writer.last_seq
+            dropped = self._writer.dropped
+            if self._provider is not None:
+                keys, masks = self._provider()
+            elif self._resident is not None:
+                keys, masks = self._resident.export()
+            else:
+                raise RuntimeError("no snapshot source")
+            self._snap.publish(req, fence, self._writer.boot_id, dropped, keys, masks)
+            self._snapshots += 1
+        except Exception as exc:
+            self._problem("snapshot_failed", repr(exc))
+            self._snap.fail(req)
+        self._snapshot_last_stall_s = time.perf_counter() - t0
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(self._delay_s):
+            self.flush()
+
+    # ---- introspection and shutdown --------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        w = self._writer
+        return {
+            "enabled": True,
+            "ring": self._seg.name,
+            "boot_id": w.boot_id,
+            "staged": len(self._staged),
+            "last_seq": w.last_seq,
+            "dropped": w.dropped,
+            "flushes": self._flushes,
+            "snapshots": self._snapshots,
+            "snapshot_last_stall_s": self._snapshot_last_stall_s,
+            "resident_keys": len(self._resident) if self._resident is not None else None,
+            "problems": dict(self._problem.counts),
+            "closed": self._closed,
+        }
+
+    def close(self) -> None:
+        """Publish what is staged, mark the producer closed, stop the flusher. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._stop.set()
+            if self._thread is not None and self._thread is not threading.current_thread():
+                self._thread.join(timeout=1.0)
+            self.flush()
+            with self._flush_lock:
+                self._closed = True
+                self._append = self._closed_append
+                self._writer.close()
+                self._snap.close()
+                self._seg.close()
+        except Exception as exc:
+            self._problem("close_failed", repr(exc))
+
+    def _closed_append(self, item: tuple[Any, int]) -> None:
+        self._problem("closed", "transition reported after close()")
+
+
+class NullHook:
+    """The hook of a gated or misconfigured rank: accepts every call and does nothing."""
+
+    enabled = False
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def stored(self, keys: Any, group: int = 0) -> None:
+        pass
+
+    def removed(self, keys: Any, group: int = 0) -> None:
+        pass
+
+    def cleared(self) -> None:
+        pass
+
+    def flush(self) -> int:
+        return 0
+
+    def set_snapshot_provider(self, provider: SnapshotProvider | None) -> None:
+        pass
+
+    def stats(self) -> dict[str, Any]:
+        return {"enabled": False, "disabled_reason": self.reason}
+
+    def close(self) -> None:
+        pass

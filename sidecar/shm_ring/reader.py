@@ -1,0 +1,167 @@
+"""Reader (sidecar) side of the ring: copies records out, validates them, reports losses.
+
+Imports: stdlib, numpy, posix_ipc (via segment). Invariants: the slot at ring position p of an
+incarnation that started at position s carries seq p - s + 1, so every record is checked against
+its position and a torn or foreign slot is never accepted; the tail is loaded before the
+incarnation so a record is never attributed to an older incarnation than its own.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sidecar.shm_ring import layout as L
+from sidecar.shm_ring.segment import Segment
+
+
+class ReaderConflict(Exception):
+    """Another process already reads this ring (a second sidecar for the same replica)."""
+
+
+@dataclass(frozen=True)
+class Incarnation:
+    boot_id: int
+    pid: int
+    start_ns: int
+    start_pos: int
+    pidns: int
+
+
+@dataclass
+class ReadResult:
+    records: np.ndarray  # (n, 4) uint64 copy: seq, key, meta, parent
+    incarnation: Incarnation | None
+    new_incarnation: bool = False  # records (if any) all belong to a producer not seen before
+    dropped: int = 0  # records the producer dropped since the previous read
+    gap: bool = False  # a slot failed validation; the rest of the published range was skipped
+    anomalies: list[str] = field(default_factory=list)
+
+
+class RingReader:
+    def __init__(self, segment: Segment, *, exclusive: bool = True) -> None:
+        self.seg = segment
+        self.capacity = segment.capacity
+        self._mask = self.capacity - 1
+        self._lock_fd: int | None = None
+        if exclusive:
+            self._lock_fd = self._take_reader_lock(segment.name)
+        h = segment.hdr
+        self.incarnation_id = secrets.randbits(64) | 1
+        h[L.W_READER_PID] = os.getpid()
+        h[L.W_READER_INCARNATION] = self.incarnation_id
+        h[L.W_READER_LIVENESS_NS] = time.monotonic_ns()
+        head = int(h[L.W_HEAD])
+        tail = int(h[L.W_TAIL])
+        if not 0 <= tail - head <= self.capacity:
+            head = tail
+        self.head = head
+        self.dropped_seen = int(h[L.W_DROPPED])
+        self.incarnation: Incarnation | None = None
+        self.records_read = 0
+
+    @staticmethod
+    def _take_reader_lock(ring_name: str) -> int:
+        fd = os.open(L.reader_lock_path(ring_name), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ReaderConflict(f"another process already reads ring {ring_name}") from None
+        return fd
+
+    def read_incarnation(self) -> Incarnation | None:
+        """Seqlock read of the producer identity; None while no producer ever attached."""
+        h = self.seg.hdr
+        for _ in range(100):
+            g1 = int(h[L.W_INC_GEN])
+            if g1 & 1:
+                continue
+            inc = Incarnation(
+                int(h[L.W_BOOT_ID]),
+                int(h[L.W_PID]),
+                int(h[L.W_START_NS]),
+                int(h[L.W_INC_START_POS]),
+                int(h[L.W_PIDNS]),
+            )
+            if int(h[L.W_INC_GEN]) == g1:
+                return inc if inc.boot_id else None
+        return None
+
+    def lag(self) -> int:
+        lag = int(self.seg.hdr[L.W_TAIL]) - self.head
+        return lag if 0 <= lag <= self.capacity else 0
+
+    def read(self, max_records: int = 1 << 20) -> ReadResult:
+        h = self.seg.hdr
+        tail = int(h[L.W_TAIL])  # before the incarnation: see the module invariant
+        inc = self.read_incarnation()
+        h[L.W_READER_LIVENESS_NS] = time.monotonic_ns()
+        result = ReadResult(np.empty((0, 4), np.uint64), inc)
+        dropped = int(h[L.W_DROPPED])
+        if dropped != self.dropped_seen:
+            result.dropped = max(dropped - self.dropped_seen, 0)
+            self.dropped_seen = dropped
+        if inc is None:
+            return result
+        if self.incarnation is None or inc.boot_id != self.incarnation.boot_id:
+            result.new_incarnation = self.incarnation is not None
+            self.incarnation = inc
+            if self.head < inc.start_pos:
+                self._advance(inc.start_pos)  # older incarnations' records describe a dead cache
+        head = self.head
+        n = tail - head
+        if not 0 <= n <= self.capacity:
+            result.anomalies.append(f"cursor out of range: head={head} tail={tail}")
+            result.gap = True
+            self._advance(tail)
+            return result
+        n = min(n, max_records)
+        if n == 0:
+            return result
+        start = head & self._mask
+        first = min(n, self.capacity - start)
+        out = np.empty((n, 4), np.uint64)
+        out[:first] = self.seg.slots[start : start + first]
+        if first < n:
+            out[first:] = self.seg.slots[: n - first]
+        base = head - inc.start_pos + 1
+        good = out[:, L.C_SEQ] == np.arange(base, base + n, dtype=np.uint64)
+        if not good.all():
+            bad = int(np.argmin(good))
+            result.anomalies.append(
+                f"slot seq mismatch at position {head + bad}: "
+                f"seq={int(out[bad, L.C_SEQ])} expected={base + bad}"
+            )
+            result.gap = True
+            out = out[:bad]
+            self._advance(tail)
+        else:
+            self._advance(head + n)
+        result.records = out
+        self.records_read += len(out)
+        return result
+
+    def _advance(self, pos: int) -> None:
+        self.head = pos
+        self.seg.hdr[L.W_HEAD] = pos
+
+    def skip_to_tail(self) -> None:
+        """Discard everything published so far (used after a reader restart before a resync)."""
+        self._advance(int(self.seg.hdr[L.W_TAIL]))
+
+    def producer_state(self) -> int:
+        return int(self.seg.hdr[L.W_PRODUCER_STATE])
+
+    def producer_liveness_ns(self) -> int:
+        return int(self.seg.hdr[L.W_LIVENESS_NS])
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None

@@ -1,0 +1,122 @@
+"""Producer (engine) side of the ring: one writer per segment, never blocks, never locks.
+
+Imports: stdlib, numpy, posix_ipc (via segment). Invariants: slots are written before their seq
+column and the seq column before the tail, each cursor is one aligned 8-byte store (x86-64 TSO
+keeps them in order; see docs/ring.md for weaker memory models); a full ring drops the newest
+records and adds them to the exact `dropped` count; sequence numbers are dense per incarnation.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+
+import numpy as np
+
+from sidecar.shm_ring import layout as L
+from sidecar.shm_ring.segment import Segment, pid_alive, pid_namespace
+
+
+class ProducerConflict(Exception):
+    """Another live producer is attached to this ring (two engines for one dp_rank?)."""
+
+
+class RingWriter:
+    def __init__(self, segment: Segment, *, descriptor: bytes = b"") -> None:
+        self.seg = segment
+        h = segment.hdr
+        other = int(h[L.W_PID])
+        if (
+            h[L.W_PRODUCER_STATE] == L.PRODUCER_ATTACHED
+            and other != os.getpid()
+            and int(h[L.W_PIDNS]) == pid_namespace()
+            and pid_alive(other)
+        ):
+            raise ProducerConflict(f"ring {segment.name} already has a live producer pid={other}")
+        self.capacity = segment.capacity
+        self._mask = self.capacity - 1
+        self._slots = segment.slots
+        self.boot_id = secrets.randbits(64) | 1
+        self._tail = int(h[L.W_TAIL])
+        self._head_cache = int(h[L.W_HEAD])
+        self._seq = 0
+        self._dropped = int(h[L.W_DROPPED])
+        self._attempted = int(h[L.W_ATTEMPTED])
+        if descriptor:
+            segment.write_descriptor(descriptor)
+        # Publish the new incarnation under the seqlock so the reader never sees a mix of two.
+        h[L.W_INC_GEN] = int(h[L.W_INC_GEN]) | 1
+        h[L.W_BOOT_ID] = self.boot_id
+        h[L.W_PID] = os.getpid()
+        h[L.W_START_NS] = time.time_ns()
+        h[L.W_INC_START_POS] = self._tail
+        h[L.W_PIDNS] = pid_namespace()
+        h[L.W_LAST_SEQ] = 0
+        h[L.W_INC_GEN] = int(h[L.W_INC_GEN]) + 1
+        h[L.W_LIVENESS_NS] = time.monotonic_ns()
+        h[L.W_PRODUCER_STATE] = L.PRODUCER_ATTACHED
+
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    @property
+    def dropped(self) -> int:
+        return self._dropped
+
+    def free_slots(self, wanted: int = 1) -> int:
+        free = self.capacity - (self._tail - self._head_cache)
+        if free < wanted:  # the cached head is stale at worst; one 8-byte load refreshes it
+            head = int(self.seg.hdr[L.W_HEAD])
+            # A reader cursor outside [tail - capacity, tail] is garbage; keep the cached one.
+            if 0 <= self._tail - head <= self.capacity:
+                self._head_cache = head
+            free = self.capacity - (self._tail - self._head_cache)
+        return free
+
+    def write(
+        self, keys: np.ndarray, metas: np.ndarray | int, parents: np.ndarray | None = None
+    ) -> int:
+        """Append len(keys) records; returns how many were accepted (the rest count as dropped)."""
+        n = len(keys)
+        if n == 0:
+            return 0
+        free = self.free_slots(n)
+        m = n if n <= free else max(free, 0)
+        h = self.seg.hdr
+        self._attempted += n
+        if m:
+            start = self._tail & self._mask
+            first = min(m, self.capacity - start)
+            seqs = np.arange(self._seq + 1, self._seq + 1 + m, dtype=np.uint64)
+            kv = keys[:m].view(np.uint64) if keys.dtype == np.int64 else keys[:m].astype(np.uint64)
+            mv = metas if isinstance(metas, int) else metas[:m].view(np.uint64)
+            pv = 0 if parents is None else parents[:m].view(np.uint64)
+            for dst, lo, hi in ((start, 0, first), (0, first, m)):
+                if hi <= lo:
+                    continue
+                block = self._slots[dst : dst + hi - lo]
+                block[:, L.C_KEY] = kv[lo:hi]
+                block[:, L.C_META] = mv if isinstance(mv, int) else mv[lo:hi]
+                block[:, L.C_PARENT] = pv if isinstance(pv, int) else pv[lo:hi]
+                block[:, L.C_SEQ] = seqs[
+                    lo:hi
+                ]  # seq after the payload: a slot is valid once it matches
+            self._seq += m
+            self._tail += m
+        if m < n:
+            self._dropped += n - m
+            h[L.W_DROPPED] = self._dropped
+        h[L.W_ATTEMPTED] = self._attempted
+        h[L.W_LAST_SEQ] = self._seq
+        h[L.W_TAIL] = self._tail  # the publishing store
+        return m
+
+    def stamp(self) -> None:
+        self.seg.hdr[L.W_LIVENESS_NS] = time.monotonic_ns()
+
+    def close(self) -> None:
+        h = self.seg.hdr
+        if int(h[L.W_BOOT_ID]) == self.boot_id:
+            h[L.W_PRODUCER_STATE] = L.PRODUCER_CLOSED

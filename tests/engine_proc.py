@@ -1,0 +1,112 @@
+"""A real engine-side process for tests: `python -m tests.engine_proc MODE JSON-ARGS`.
+
+It prints one JSON line `{"ready": ...}` once attached (tests wait on it instead of sleeping) and
+one JSON result line when done. Modes:
+  burst     raw RingWriter: write `bursts` x `burst` records whose keys count up; report accepted
+  forever   raw RingWriter: write until killed (for SIGKILL tests); waits for "go" on stdin
+  workload  Hook: seeded random stored/removed/cleared; report the engine's truth at the end
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from typing import Any
+
+import numpy as np
+
+
+def _emit(obj: object) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def burst(a: dict[str, Any]) -> None:
+    from sidecar.shm_ring import layout as L
+    from sidecar.shm_ring.segment import Segment
+    from sidecar.shm_ring.writer import RingWriter
+
+    w = RingWriter(Segment(a["ring"], a.get("capacity")))
+    _emit({"ready": True, "boot_id": w.boot_id})
+    sys.stdin.readline()  # wait for "go"
+    accepted: list[int] = []
+    key = 0
+    meta = L.pack_meta(L.KIND_STORED, 0)
+    for _ in range(a["bursts"]):
+        keys = np.arange(key, key + a["burst"], dtype=np.int64)
+        m = w.write(keys, meta)
+        accepted.extend(range(key, key + m))
+        key += a["burst"]
+        if a.get("pause_each"):
+            _emit({"paused": True})
+            sys.stdin.readline()
+    _emit({"accepted": accepted, "dropped": w.dropped, "last_seq": w.last_seq})
+
+
+def forever(a: dict[str, Any]) -> None:
+    from sidecar.shm_ring import layout as L
+    from sidecar.shm_ring.segment import Segment
+    from sidecar.shm_ring.writer import RingWriter
+
+    w = RingWriter(Segment(a["ring"], a.get("capacity")))
+    _emit({"ready": True, "boot_id": w.boot_id})
+    sys.stdin.readline()
+    key = 0
+    meta = L.pack_meta(L.KIND_STORED, 0)
+    while True:
+        w.write(np.arange(key, key + 64, dtype=np.int64), meta)
+        key += 64
+
+
+def workload(a: dict[str, Any]) -> None:
+    import engine_hook
+
+    rng = random.Random(a["seed"])
+    hook = engine_hook.attach(
+        strict=True,
+        instance_id="test",
+        ring_name=a["ring"],
+        ring_capacity_slots=a.get("capacity", 1 << 16),
+        group_block_bytes=(64, 64),
+        max_stage_delay_ms=1.0,
+    )
+    truth: dict[int, int] = {}
+    _emit({"ready": True, "boot_id": hook.stats()["boot_id"]})
+    sys.stdin.readline()
+    universe = a.get("universe", 200)
+    for i in range(a["ops"]):
+        r = rng.random()
+        g = rng.randrange(2)
+        if r < 0.002:
+            hook.cleared()
+            truth.clear()
+        elif r < 0.6:
+            keys = [rng.randrange(universe) for _ in range(rng.randrange(1, 4))]
+            hook.stored(keys if len(keys) > 1 else keys[0], g)
+            for k in keys:
+                truth[k] = truth.get(k, 0) | (1 << g)
+        else:
+            k = rng.randrange(universe)
+            hook.removed(k, g)
+            v = truth.get(k, 0) & ~(1 << g)
+            if v:
+                truth[k] = v
+            else:
+                truth.pop(k, None)
+        if i % a.get("flush_every", 50) == 0:
+            hook.flush()
+    hook.flush()
+    _emit({"done": True, "last_seq": hook.stats()["last_seq"]})
+    sys.stdin.readline()  # stay alive (answering snapshots) until told to finish
+    _emit(
+        {
+            "truth": sorted(truth.items()),
+            "stats": {k: v for k, v in hook.stats().items() if k != "problems"},
+        }
+    )
+    hook.close()
+
+
+if __name__ == "__main__":
+    {"burst": burst, "forever": forever, "workload": workload}[sys.argv[1]](json.loads(sys.argv[2]))

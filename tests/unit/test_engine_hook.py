@@ -1,0 +1,271 @@
+"""engine_hook: attach, gating, key normalisation, never-raises, bounded staging delay."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import engine_hook
+from engine_hook.descriptor import Descriptor, DescriptorError
+from engine_hook.hook import Hook, NullHook, normalize_keys
+from sidecar.shm_ring import layout as L
+from sidecar.shm_ring.reader import RingReader
+from sidecar.shm_ring.segment import Segment
+
+
+def _attach(ring_name: str, **kw: Any) -> Hook:
+    hook = engine_hook.attach(
+        strict=True,
+        env={},
+        instance_id="inst",
+        ring_name=ring_name,
+        ring_capacity_slots=kw.pop("capacity", 1024),
+        **kw,
+    )
+    assert isinstance(hook, Hook)
+    return hook
+
+
+def _read_all(reader: RingReader) -> list[tuple[int, int, int]]:
+    res = reader.read()
+    return [
+        (
+            int(np.int64(np.uint64(k)).item()) if k < 1 << 63 else k - (1 << 64),
+            m & 0xFF,
+            (m >> 8) & 0xFF,
+        )
+        for _s, k, m, _p in res.records.tolist()
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"publisher_type": "none"}, "publisher_type is none"),
+        ({"publisher_type": "NONE"}, "publisher_type is none"),
+        ({"tp_rank": 1}, "tp_rank=1"),
+        ({"pp_size": 2}, "pp_size=2"),
+        ({"cp_sharded_kv": True}, "context-parallel"),
+        ({"prefix_reuse": False}, "prefix reuse is disabled"),
+    ],
+)
+def test_attach_gated_rank_gets_null_hook_with_reason(
+    fields: dict[str, Any], reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    hook = engine_hook.attach(env={}, instance_id="i", **fields)
+    assert isinstance(hook, NullHook)
+    assert reason in hook.reason
+    assert reason in caplog.text
+    hook.stored(1)
+    hook.removed([1, 2])
+    hook.cleared()
+    assert hook.flush() == 0
+    assert hook.stats()["enabled"] is False
+
+
+def test_attach_tp0_pp1_publishes(ring_name: str) -> None:
+    hook = _attach(ring_name, tp_rank=0, pp_size=1, tp_size=4)
+    assert hook.enabled
+    hook.close()
+
+
+@pytest.mark.parametrize(
+    ("env", "field"),
+    [
+        ({"KV_CACHE_EVENT_PUBLISHER_TYPE": "zmq"}, "publisher_type"),
+        ({"KV_CACHE_EVENT_DP_RANK": "one"}, "KV_CACHE_EVENT_DP_RANK"),
+        ({"KV_CACHE_EVENT_USE_MLA": "maybe"}, "KV_CACHE_EVENT_USE_MLA"),
+        ({"KV_CACHE_EVENT_BLOCK_SIZE_TOKENS": "0"}, "block_size_tokens"),
+        ({"KV_CACHE_EVENT_REQUIRED_GROUPS": "3"}, "required_groups"),
+        ({"KV_CACHE_EVENT_MEDIUM": "h#m"}, "medium"),
+    ],
+)
+def test_attach_bad_config_names_field(env: dict[str, str], field: str) -> None:
+    env = {"KV_CACHE_EVENT_INSTANCE_ID": "i", **env}
+    with pytest.raises(DescriptorError, match=field):
+        engine_hook.attach(env=env, strict=True)
+    hook = engine_hook.attach(env=env)  # non-strict: the engine keeps running, unpublished
+    assert isinstance(hook, NullHook) and field in hook.reason
+
+
+def test_attach_kvcm_without_instance_id_is_config_error() -> None:
+    with pytest.raises(DescriptorError, match="instance_id"):
+        engine_hook.attach(env={}, strict=True)
+
+
+def test_attach_reads_descriptor_from_env(ring_name: str) -> None:
+    env = {
+        "KV_CACHE_EVENT_INSTANCE_ID": "from-env",
+        "KV_CACHE_EVENT_DP_RANK": "3",
+        "KV_CACHE_EVENT_GROUP_BLOCK_BYTES": "100,200",
+        "KV_CACHE_EVENT_REQUIRED_GROUPS": "0,1",
+        "KV_CACHE_EVENT_RING_NAME": ring_name,
+        "KV_CACHE_EVENT_USE_MLA": "true",
+    }
+    hook = engine_hook.attach(env=env, strict=True, model_name="arg-wins")
+    assert isinstance(hook, Hook)
+    seg = Segment(ring_name)
+    d = Descriptor.from_json(seg.read_descriptor())
+    assert (d.instance_id, d.dp_rank, d.model_name, d.use_mla) == ("from-env", 3, "arg-wins", True)
+    assert d.group_block_bytes == (100, 200) and d.required_groups == (0, 1)
+    assert d.block_bytes() == 300
+    hook.close()
+    seg.close()
+
+
+def test_attach_never_raises_on_incompatible_ring(ring_name: str) -> None:
+    seg = Segment(ring_name, 64)
+    seg.hdr[L.W_VERSION_SLOT] = 99 | (32 << 32)
+    hook = engine_hook.attach(env={}, instance_id="i", ring_name=ring_name)
+    assert isinstance(hook, NullHook) and "upgrade the sidecar" in hook.reason
+    seg.close()
+
+
+def test_normalize_keys_to_int64_bit_pattern() -> None:
+    assert normalize_keys(2**64 - 1).tolist() == [-1]
+    assert normalize_keys([2**63, -5]).tolist() == [-(2**63), -5]
+    assert normalize_keys(np.array([2**64 - 2], np.uint64)).tolist() == [-2]
+    assert normalize_keys(np.array([7], np.int32)).tolist() == [7]
+    with pytest.raises(OverflowError):
+        normalize_keys([2**64])
+    with pytest.raises(TypeError):
+        normalize_keys(np.array([1.5]))
+
+
+def test_hook_records_kind_group_and_key_in_order(ring_name: str) -> None:
+    hook = _attach(ring_name, group_block_bytes=(10, 10), start_flusher=False)
+    reader = RingReader(Segment(ring_name))
+    hook.stored(5)
+    hook.stored([2**64 - 1, 6], group=1)
+    hook.removed(np.array([5], np.uint64))
+    hook.cleared()
+    assert hook.flush() == 5
+    assert _read_all(reader) == [
+        (5, L.KIND_STORED, 0),
+        (-1, L.KIND_STORED, 1),
+        (6, L.KIND_STORED, 1),
+        (5, L.KIND_REMOVED, 0),
+        (0, L.KIND_CLEARED, 0),
+    ]
+    hook.close()
+    reader.close()
+
+
+@pytest.mark.parametrize(
+    ("call", "reason"),
+    [
+        (lambda h: h.stored("abc"), "bad_key"),
+        (lambda h: h.stored(1.5), "bad_key"),
+        (lambda h: h.stored(True), "bad_key"),
+        (lambda h: h.stored([1, None]), "bad_key"),
+        (lambda h: h.removed(np.array([0.5])), "bad_key"),
+        (lambda h: h.stored(2**64 + 1), "bad_key"),
+        (lambda h: h.stored(1, group=7), "bad_group"),
+        (lambda h: h.stored(1, group=-1), "bad_group"),
+        (lambda h: h.removed(1, group="x"), "bad_group"),
+    ],
+)
+def test_hook_bad_argument_counted_never_raised(ring_name: str, call: Any, reason: str) -> None:
+    hook = _attach(ring_name, start_flusher=False)
+    call(hook)
+    hook.flush()
+    assert hook.stats()["problems"].get(reason) == 1
+    hook.close()
+
+
+def test_hook_full_ring_drops_counted_never_raised(ring_name: str) -> None:
+    hook = _attach(ring_name, capacity=16, start_flusher=False)
+    hook.stored(np.arange(40))
+    assert hook.flush() == 16
+    assert hook.stats()["dropped"] == 24
+
+
+def test_hook_after_close_counts_and_does_not_raise(ring_name: str) -> None:
+    hook = _attach(ring_name, start_flusher=False)
+    hook.close()
+    hook.close()
+    hook.stored(1)
+    hook.removed(1)
+    assert hook.flush() == 0
+    assert hook.stats()["problems"]["closed"] == 2
+
+
+def test_hook_corrupt_ring_flush_counted(ring_name: str) -> None:
+    hook = _attach(ring_name, start_flusher=False)
+    hook._writer._slots = None  # type: ignore[assignment]  # simulate a broken mapping
+    hook.stored([1, 2])
+    assert hook.flush() == 0
+    assert hook.stats()["problems"]["flush_failed"] == 1
+    hook.close()
+
+
+def test_hook_missing_snapshot_source_fails_request_not_engine(ring_name: str) -> None:
+    hook = _attach(ring_name, start_flusher=False)
+
+    def broken() -> tuple[np.ndarray, np.ndarray]:
+        raise RuntimeError("engine cannot enumerate right now")
+
+    hook.set_snapshot_provider(broken)
+    seg = Segment(ring_name)
+    from sidecar.shm_ring import snapshot
+
+    req = snapshot.request(seg)
+    hook.flush()
+    with pytest.raises(snapshot.SnapshotFailed):
+        snapshot.poll(seg, req)
+    assert hook.stats()["problems"]["snapshot_failed"] == 1
+    hook.close()
+    seg.close()
+
+
+def test_hook_idle_engine_records_visible_within_stage_delay(ring_name: str) -> None:
+    hook = _attach(ring_name, max_stage_delay_ms=2.0)
+    reader = RingReader(Segment(ring_name))
+    t0 = time.monotonic()
+    hook.stored(42)  # and the engine never calls flush()
+    got: list[int] = []
+    while not got and time.monotonic() - t0 < 10:
+        got = [int(k) for k in reader.read().records[:, L.C_KEY]]
+    assert got == [42]
+    hook.close()
+    reader.close()
+
+
+def test_hook_threads_stage_concurrently_without_loss(ring_name: str) -> None:
+    import threading
+
+    hook = _attach(ring_name, capacity=1 << 16, max_stage_delay_ms=1.0)
+    reader = RingReader(Segment(ring_name))
+
+    def work(base: int) -> None:
+        for i in range(5000):
+            hook.stored(base + i)
+
+    threads = [threading.Thread(target=work, args=(b * 100000,)) for b in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    hook.flush()
+    got = reader.read().records[:, L.C_KEY].astype(np.int64)
+    assert sorted(got.tolist()) == sorted(b * 100000 + i for b in range(4) for i in range(5000))
+    hook.close()
+    reader.close()
+
+
+def test_import_engine_hook_loads_nothing_heavy() -> None:
+    code = (
+        "import sys, engine_hook, engine_hook.block_cache, engine_hook.rolling_hash\n"
+        "bad = [m for m in ('aiohttp', 'uvloop', 'prometheus_client', 'msgspec') "
+        "if m in sys.modules]\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
