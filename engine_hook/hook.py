@@ -102,6 +102,7 @@ class Hook:
         self._problem = _RateLimitedLog()
         self._closed = False
         self._flushes = 0
+        self._flush_busy = 0
         self._snapshots = 0
         self._snapshot_last_stall_s = 0.0
         self._groups = len(descriptor.group_block_bytes)
@@ -161,9 +162,14 @@ class Hook:
             self._problem("internal", repr(exc))
 
     # ---- publishing ------------------------------------------------------------------------
-    def flush(self) -> int:
-        """Publish staged records; answer a pending snapshot request. Returns records accepted."""
-        if not self._flush_lock.acquire(blocking=False):
+    def flush(self, wait: bool = False) -> int:
+        """Publish staged records; answer a pending snapshot request. Returns records accepted.
+
+        By default it never waits: if another thread is flushing, it returns 0 at once and that
+        flush (or the next tick) publishes the records. `wait=True` is for shutdown and tests.
+        """
+        if not self._flush_lock.acquire(blocking=wait):
+            self._flush_busy += 1
             return 0  # another thread is flushing; it (or the next tick) publishes ours
         try:
             if self._closed:
@@ -277,6 +283,8 @@ class Hook:
             "last_seq": w.last_seq,
             "dropped": w.dropped,
             "flushes": self._flushes,
+            "flush_busy": self._flush_busy,
+            "flusher_alive": self._thread is not None and self._thread.is_alive(),
             "snapshots": self._snapshots,
             "snapshot_last_stall_s": self._snapshot_last_stall_s,
             "resident_keys": len(self._resident) if self._resident is not None else None,
@@ -292,7 +300,7 @@ class Hook:
             self._stop.set()
             if self._thread is not None and self._thread is not threading.current_thread():
                 self._thread.join(timeout=1.0)
-            self.flush()
+            self.flush(wait=True)
             with self._flush_lock:
                 self._closed = True
                 self._append = self._closed_append
@@ -323,7 +331,7 @@ class NullHook:
     def cleared(self) -> None:
         pass
 
-    def flush(self) -> int:
+    def flush(self, wait: bool = False) -> int:
         return 0
 
     def set_snapshot_provider(self, provider: SnapshotProvider | None) -> None:

@@ -96,13 +96,13 @@ def workload(a: dict[str, Any]) -> None:
                 truth.pop(k, None)
         if i % a.get("flush_every", 50) == 0:
             hook.flush()
-    hook.flush()
+    hook.flush(wait=True)
     _emit({"done": True, "last_seq": hook.stats()["last_seq"]})
     sys.stdin.readline()  # stay alive (answering snapshots) until told to finish
     _emit(
         {
             "truth": sorted(truth.items()),
-            "stats": {k: v for k, v in hook.stats().items() if k != "problems"},
+            "stats": hook.stats(),
         }
     )
     hook.close()

@@ -66,11 +66,17 @@ def test_snapshot_plus_later_records_equals_engine_truth(
             read += len(r) or 1
         req = snapshot.request(seg)
         snap = _await_snapshot(seg, req, reader, backlog)
-        assert eng.recv()["done"]
-        backlog.append(reader.read().records)
+        last_seq = eng.recv()["last_seq"]  # published with flush(wait=True); quiet from here on
+        seen = max((int(r[-1, L.C_SEQ]) for r in backlog if len(r)), default=0)
+        deadline = time.monotonic() + 30
+        while seen < last_seq:
+            assert time.monotonic() < deadline, "records never reached the ring"
+            r = reader.read().records
+            backlog.append(r)
+            if len(r):
+                seen = int(r[-1, L.C_SEQ])
         eng.send()
         truth = {k: v for k, v in eng.recv()["truth"]}
-        backlog.append(reader.read().records)
         state: dict[int, int] = {}
         for k, m in zip(snap.keys.tolist(), snap.masks.tolist(), strict=True):
             state[k] = state.get(k, 0) | m

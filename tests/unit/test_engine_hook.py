@@ -253,9 +253,14 @@ def test_hook_threads_stage_concurrently_without_loss(ring_name: str) -> None:
         t.start()
     for t in threads:
         t.join()
-    hook.flush()
-    got = reader.read().records[:, L.C_KEY].astype(np.int64)
-    assert sorted(got.tolist()) == sorted(b * 100000 + i for b in range(4) for i in range(5000))
+    want = sorted(b * 100000 + i for b in range(4) for i in range(5000))
+    got: list[int] = []
+    deadline = time.monotonic() + 10
+    # flush() never waits for a concurrent flusher, so wait on the ring itself, bounded.
+    while len(got) < len(want) and time.monotonic() < deadline:
+        hook.flush()
+        got += reader.read().records[:, L.C_KEY].astype(np.int64).tolist()
+    assert sorted(got) == want
     hook.close()
     reader.close()
 
