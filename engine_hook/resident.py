@@ -6,6 +6,8 @@ Imports: numpy + sidecar.shm_ring.layout. Invariant: `apply` sees every record i
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from sidecar.shm_ring.layout import KIND_CLEARED, KIND_REMOVED, KIND_STORED
@@ -19,9 +21,14 @@ class ResidentSet:
         return len(self._masks)
 
     def apply(self, keys: np.ndarray, metas: np.ndarray) -> None:
+        self.apply_pairs(zip(keys.tolist(), metas.tolist(), strict=True))
+
+    def apply_pairs(self, pairs: Iterable[tuple[int, int]]) -> None:
         d = self._masks
         get = d.get
-        for k, m in zip(keys.tolist(), metas.tolist(), strict=True):
+        for k, m in pairs:
+            if k >= 1 << 63:
+                k -= 1 << 64  # same int64 bit pattern as the ring
             kind = m & 0xFF
             bit = 1 << ((m >> 8) & 0xFF)
             if kind == KIND_STORED:

@@ -90,6 +90,11 @@ class Segment:
         self.slots: np.ndarray = np.ndarray(
             (self.capacity, 4), dtype=np.uint64, buffer=self._mm, offset=L.HEADER_SIZE
         )
+        # Word view of the slots for the writer's scalar path (single 8-byte stores).
+        self.slot_words = memoryview(self._mm).cast("B")[L.HEADER_SIZE :].cast("Q")
+        if created:
+            # Fault every page in now, once, so no engine step ever pays first-touch faults.
+            self.slots[:] = 0
 
     def _init_header(self, capacity: int) -> None:
         h = self.hdr
@@ -140,6 +145,7 @@ class Segment:
         slots = getattr(self, "slots", None)
         if slots is not None:
             del self.slots
+            self.slot_words.release()
         self.hdr.release()
         # A caller may still hold a view into the mapping; it is unmapped when that view dies.
         with contextlib.suppress(BufferError):

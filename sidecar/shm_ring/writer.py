@@ -17,6 +17,8 @@ import numpy as np
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.segment import Segment, pid_alive, pid_namespace
 
+_U64 = (1 << 64) - 1
+
 
 class ProducerConflict(Exception):
     """Another live producer is attached to this ring (two engines for one dp_rank?)."""
@@ -37,6 +39,7 @@ class RingWriter:
         self.capacity = segment.capacity
         self._mask = self.capacity - 1
         self._slots = segment.slots
+        self._words = segment.slot_words
         self.boot_id = secrets.randbits(64) | 1
         self._tail = int(h[L.W_TAIL])
         self._head_cache = int(h[L.W_HEAD])
@@ -111,6 +114,38 @@ class RingWriter:
         h[L.W_ATTEMPTED] = self._attempted
         h[L.W_LAST_SEQ] = self._seq
         h[L.W_TAIL] = self._tail  # the publishing store
+        return m
+
+    def write_pairs(self, pairs: list[tuple[int, int]]) -> int:
+        """Scalar path for a few records: plain word stores, no numpy call overhead.
+
+        `pairs` are (key, meta) with key already in [-2^63, 2^64); same semantics as write().
+        """
+        n = len(pairs)
+        free = self.free_slots(n)
+        m = n if n <= free else max(free, 0)
+        sw = self._words
+        mask = self._mask
+        tail = self._tail
+        seq = self._seq
+        for k, meta in pairs[:m]:
+            base = (tail & mask) << 2
+            sw[base + 1] = k & _U64
+            sw[base + 2] = meta
+            sw[base + 3] = 0
+            seq += 1
+            sw[base] = seq  # seq after the payload, as in write()
+            tail += 1
+        self._seq = seq
+        self._tail = tail
+        h = self.seg.hdr
+        self._attempted += n
+        if m < n:
+            self._dropped += n - m
+            h[L.W_DROPPED] = self._dropped
+        h[L.W_ATTEMPTED] = self._attempted
+        h[L.W_LAST_SEQ] = seq
+        h[L.W_TAIL] = tail
         return m
 
     def stamp(self) -> None:
