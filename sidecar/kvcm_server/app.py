@@ -1,0 +1,373 @@
+"""The KVCM-compatible HTTP server: meta and admin routes, queries, debug view, fault injection.
+
+Imports: stdlib, aiohttp, msgspec (via proto), state, report. Every route is POST /api/<name>
+with a proto3-JSON body; an unparseable body is HTTP 400 `{}`, an oversized one HTTP 413 `{}`;
+every other outcome is HTTP 200 with `header.status.code` (contract §1). `/debug/*` is this
+stand-in's own: a read-only view for tests and the demo, and fault injection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from engine_hook.rolling_hash import block_keys as rolling_keys
+from sidecar.kvcm_server import proto as P
+from sidecar.kvcm_server.report import EventReport
+from sidecar.kvcm_server.state import ApiError, State, uri_version
+
+Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+DEFAULT_MAX_BODY = 64 * 1024 * 1024
+STATE_KEY = web.AppKey("state", State)
+
+
+class Faults:
+    """Test-controlled misbehaviour: per route, the next `count` requests get the fault."""
+
+    def __init__(self) -> None:
+        self.rules: dict[str, dict[str, Any]] = {}
+
+    def take(self, route: str) -> dict[str, Any] | None:
+        for name in (route, "*"):
+            rule = self.rules.get(name)
+            if rule and rule.get("count", 0) != 0:
+                if rule["count"] > 0:
+                    rule["count"] -= 1
+                return rule
+        return None
+
+
+class KvcmServer:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        state_file: Path | None = None,
+        bootstrap: bool = False,
+        group: str = "default",
+        max_body: int = DEFAULT_MAX_BODY,
+        event_report: dict[str, int] | None = None,
+    ) -> None:
+        self.state = State(clock, state_file)
+        self.report = EventReport(self.state)
+        self.faults = Faults()
+        self.max_body = max_body
+        self.requests: dict[str, int] = {}
+        if bootstrap:
+            self.bootstrap(group, event_report or {})
+
+    def bootstrap(self, group: str, event_report: dict[str, int]) -> None:
+        st = self.state
+        for name, stype in (
+            ("events_l1p5", "ST_EVENT_REPORT_L1P5"),
+            ("events_l2", "ST_EVENT_REPORT_L2"),
+        ):
+            if name not in st.storages:
+                st.add_storage(
+                    {
+                        "storage": {
+                            "global_unique_name": name,
+                            "storage_type": stype,
+                            "event_report": event_report,
+                        }
+                    }
+                )
+        if group not in st.groups:
+            st.create_group(
+                {
+                    "instance_group": {
+                        "name": group,
+                        "event_report_storage_candidates": ["events_l1p5", "events_l2"],
+                        "extra_info": "",
+                    }
+                }
+            )
+
+    # ---- plumbing ------------------------------------------------------------------------
+    def app(self, *, admin: bool = True, meta: bool = True) -> web.Application:
+        app = web.Application(client_max_size=self.max_body)
+        app[STATE_KEY] = self.state
+        routes: dict[str, Handler] = {}
+        if meta:
+            routes.update(
+                {
+                    "registerInstance": self.register_instance,
+                    "reportEvent": self.report.handle,
+                    "getInstanceInfo": self.get_instance_info,
+                    "getCacheLocation": self.get_cache_location,
+                    "getCacheLocationLen": self.get_cache_location_len,
+                    "getCacheLocationsByBackend": self.get_cache_locations_by_backend,
+                    "getHostCacheState": self.get_host_cache_state,
+                    "startWriteCache": self.start_write_cache,
+                    "finishWriteCache": self.finish_write_cache,
+                }
+            )
+        if admin:
+            routes.update(
+                {
+                    "addStorage": self.add_storage,
+                    "updateStorage": self.update_storage,
+                    "listStorage": self.list_storage,
+                    "createInstanceGroup": self.create_instance_group,
+                    "getInstanceGroup": self.get_instance_group,
+                }
+            )
+        for name, fn in routes.items():
+            app.router.add_post(f"/api/{name}", self._wrap(name, fn))
+        app.router.add_get("/debug/reporters", self.debug_reporters)
+        app.router.add_post("/debug/faults", self.debug_faults)
+        app.cleanup_ctx.append(self._saver)
+        return app
+
+    async def _saver(self, app: web.Application) -> AsyncIterator[None]:
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(0.5)
+                if self.state.dirty:
+                    self.state.save()
+
+        task = asyncio.create_task(loop())  # owned by this cleanup context, cancelled below
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        self.state.save()
+
+    def _wrap(self, name: str, fn: Handler) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handler(request: web.Request) -> web.Response:
+            self.requests[name] = self.requests.get(name, 0) + 1
+            fault = self.faults.take(name)
+            if fault:
+                if fault.get("delay_ms"):
+                    await asyncio.sleep(fault["delay_ms"] / 1000)
+                if fault.get("status"):
+                    return web.Response(
+                        status=fault["status"], body=b"{}", content_type="application/json"
+                    )
+                if fault.get("body") is not None:
+                    return web.Response(
+                        body=fault["body"].encode(), content_type="application/json"
+                    )
+            try:
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                return web.Response(status=413, body=b"{}", content_type="application/json")
+            try:
+                req = P.decode(raw)
+            except P.BadRequest:
+                return web.Response(status=400, body=b"{}", content_type="application/json")
+            try:
+                out = await fn(req)
+                code, message = out.pop("_code", "OK"), out.pop("_message", "")
+            except ApiError as exc:
+                code, message, out = exc.code, str(exc), dict(exc.extra)
+                if name == "reportEvent":
+                    out = {
+                        "extra_info": "",
+                        "committed_snapshot_version": "",
+                        "retry_after_ms": "0",
+                        "snapshot_required": False,
+                        **out,
+                    }
+            body = {**P.header(code, message, req.get("trace_id", "")), **out}
+            return web.Response(body=P.encode(body), content_type="application/json")
+
+        return handler
+
+    # ---- admin ---------------------------------------------------------------------------
+    async def add_storage(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.state.add_storage(req)
+        return {}
+
+    async def update_storage(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.state.add_storage(req, update=True)
+        return {}
+
+    async def list_storage(self, req: dict[str, Any]) -> dict[str, Any]:
+        return {"storages": list(self.state.storages.values())}
+
+    async def create_instance_group(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.state.create_group(req)
+        return {}
+
+    async def get_instance_group(self, req: dict[str, Any]) -> dict[str, Any]:
+        g = self.state.groups.get(req.get("name") or req.get("instance_group_name") or "")
+        if g is None:
+            raise ApiError("INSTANCE_NOT_EXIST", "no such instance group")
+        return {"instance_group": g}
+
+    # ---- meta ----------------------------------------------------------------------------
+    async def register_instance(self, req: dict[str, Any]) -> dict[str, Any]:
+        return self.state.register_instance(req)
+
+    async def get_instance_info(self, req: dict[str, Any]) -> dict[str, Any]:
+        inst = self._instance(req)
+        return {"instance_group": inst["instance_group"], "instance_info": inst}
+
+    def _instance(self, req: dict[str, Any]) -> dict[str, Any]:
+        inst = self.state.instances.get(req.get("instance_id") or "")
+        if inst is None:
+            raise ApiError("INSTANCE_NOT_EXIST", f"instance {req.get('instance_id')!r} not found")
+        return inst
+
+    def _query_keys(self, req: dict[str, Any], inst: dict[str, Any], field: str) -> list[int]:
+        if req.get("token_ids"):
+            return rolling_keys([int(t) for t in req["token_ids"]], inst["block_size"])
+        keys = []
+        for k in req.get(field) or []:
+            v = P.parse_block_key(k, allow_number=True)
+            if v is None:
+                raise ApiError("INVALID_ARGUMENT", f"{field} entry {k!r} is not an int64")
+            keys.append(v)
+        return keys
+
+    def _visible_locs(self, iid: str, key: int) -> dict[tuple[str, str, str], dict[str, str]]:
+        locs = self.state.blocks.get(iid, {}).get(key, {})
+        return {
+            loc: specs
+            for loc, specs in locs.items()
+            if self.state.visible(loc[0], loc[2], iid, specs)
+        }
+
+    async def get_cache_location(self, req: dict[str, Any]) -> dict[str, Any]:
+        inst = self._instance(req)
+        qt = P.enum_name(req.get("query_type", 0), P.QUERY_TYPES) or "QT_UNSPECIFIED"
+        if qt == "QT_UNSPECIFIED":
+            qt = inst.get("default_query_type") or "QT_BATCH_GET"
+        if qt not in ("QT_BATCH_GET", "QT_PREFIX_MATCH", "QT_UNSPECIFIED"):
+            raise ApiError("UNSUPPORTED", f"query_type {qt} is not supported by this stand-in")
+        names = set(req.get("location_spec_names") or [])
+        rows = []
+        for key in self._query_keys(req, inst, "block_keys"):
+            specs = []
+            for _loc, sp in sorted(self._visible_locs(inst["instance_id"], key).items()):
+                specs += [{"name": n, "uri": u} for n, u in sp.items() if not names or n in names]
+            if not specs and qt == "QT_PREFIX_MATCH":
+                break
+            rows.append(
+                {"type": "event_report", "spec_size": str(len(specs)), "location_specs": specs}
+            )
+        return {"locations": rows}
+
+    async def get_cache_location_len(self, req: dict[str, Any]) -> dict[str, Any]:
+        out = await self.get_cache_location({**req, "query_type": "QT_PREFIX_MATCH"})
+        return {"cache_location_len": str(len(out["locations"]))}
+
+    async def get_cache_locations_by_backend(self, req: dict[str, Any]) -> dict[str, Any]:
+        inst = self._instance(req)
+        backend = P.enum_name(req.get("backend_type", 0), P.STORAGE_TYPES)
+        rows = []
+        for key in self._query_keys(req, inst, "block_keys"):
+            locs = [
+                {
+                    "type": loc[0],
+                    "medium": loc[1],
+                    "host_ip_port": loc[2],
+                    "location_specs": [{"name": n, "uri": u} for n, u in sp.items()],
+                }
+                for loc, sp in sorted(self._visible_locs(inst["instance_id"], key).items())
+                if backend is None or loc[0] == backend
+            ]
+            rows.append({"block_key": str(key), "locations": locs})
+        return {"block_locations": rows}
+
+    async def get_host_cache_state(self, req: dict[str, Any]) -> dict[str, Any]:
+        inst = self._instance(req)
+        qt = P.enum_name(req.get("query_type", 0), P.QUERY_TYPES) or "QT_UNSPECIFIED"
+        if qt == "QT_UNSPECIFIED":
+            qt = inst.get("default_query_type") or "QT_PREFIX_MATCH"
+        if qt not in ("QT_PREFIX_MATCH", "QT_PREFIX_MATCH_WITH_MAMBA", "QT_UNSPECIFIED"):
+            raise ApiError("INVALID_ARGUMENT", f"query_type {qt} is not a prefix query")
+        mediums = set(req.get("medium") or [])
+        keys = self._query_keys(req, inst, "block_cache_keys")
+        per_key = []
+        for key in keys:
+            locs = self._visible_locs(inst["instance_id"], key)
+            per_key.append({loc for loc in locs if not mediums or loc[1] in mediums})
+        hosts = sorted({loc[2] for locs in per_key for loc in locs})
+        out = []
+        for h in hosts:
+            local = 0
+            while local < len(keys) and any(loc[2] == h for loc in per_key[local]):
+                local += 1
+            total = local  # continue the prefix from other hosts' L2 (remote P2P) copies
+            while total < len(keys) and any(
+                loc[0] == "ST_EVENT_REPORT_L2" or loc[2] == h for loc in per_key[total]
+            ):
+                total += 1
+            if local:
+                out.append(
+                    {
+                        "host_ip_port": h,
+                        "local": str(local),
+                        "p2p_1_fetch": str(total - local),
+                        "p2p_1_total_match": str(total),
+                    }
+                )
+        return {"hosts": out}
+
+    async def start_write_cache(self, req: dict[str, Any]) -> dict[str, Any]:
+        self._instance(req)
+        return {"write_session_id": P.new_version(), "locations": []}
+
+    async def finish_write_cache(self, req: dict[str, Any]) -> dict[str, Any]:
+        self._instance(req)
+        return {}
+
+    # ---- debug ---------------------------------------------------------------------------
+    async def debug_reporters(self, request: web.Request) -> web.Response:
+        st = self.state
+        out = []
+        for r in st.reporters.values():
+            keys = sorted(
+                str(k)
+                for k, locs in st.blocks.get(r.instance_id, {}).items()
+                for loc, specs in locs.items()
+                if loc[0] == r.storage_type
+                and loc[2] == r.host_ip_port
+                and st.visible(loc[0], loc[2], r.instance_id, specs)
+            )
+            out.append(
+                {
+                    "instance_id": r.instance_id,
+                    "storage_type": r.storage_type,
+                    "host_ip_port": r.host_ip_port,
+                    "liveness": st.liveness(r),
+                    "generation": r.version or "",
+                    "strict": r.strict,
+                    "mediums": sorted(r.mediums),
+                    "system_status": r.system_status,
+                    "visible_keys": keys,
+                    "stored_versions": sorted(
+                        {
+                            v
+                            for locs in st.blocks.get(r.instance_id, {}).values()
+                            for loc, sp in locs.items()
+                            if loc[2] == r.host_ip_port
+                            for v in map(uri_version, sp.values())
+                            if v
+                        }
+                    ),
+                }
+            )
+        return web.Response(
+            body=P.encode({"reporters": out, "requests": self.requests}),
+            content_type="application/json",
+        )
+
+    async def debug_faults(self, request: web.Request) -> web.Response:
+        body = P.decode(await request.read())
+        if "commit_delay_ms" in body:
+            self.report.commit_delay_s = float(body["commit_delay_ms"]) / 1000
+        for route, rule in (body.get("routes") or {}).items():
+            self.faults.rules[route] = dict(rule)
+        if body.get("clear"):
+            self.faults.rules.clear()
+            self.report.commit_delay_s = 0.0
+        return web.Response(body=b"{}", content_type="application/json")

@@ -1,0 +1,289 @@
+"""The stand-in KVCM's state and rules: storages, groups, instances, reporters, block metadata.
+
+Imports: stdlib + proto. Pure and synchronous (the HTTP layer adds only the snapshot delta gate's
+waiting), driven by an injected clock so liveness tests need no long sleeps. Rules follow
+`shared/kvcm_contract.md` §3-§6 and §12 (which wins where they differ).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sidecar.kvcm_server import proto as P
+
+Clock = Callable[[], float]
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+._-]*://")  # KVCM accepts event_report://
+
+DEFAULT_EVENT_REPORT = {
+    "heartbeat_timeout_ms": 30000,
+    "cleanup_grace_ms": 300000,
+    "liveness_check_interval_ms": 5000,
+    "snapshot_min_interval_ms": 30000,
+    "snapshot_delta_drain_timeout_ms": 10000,
+}
+
+
+class ApiError(Exception):
+    """A request-level outcome: header code, message, and extra response fields."""
+
+    def __init__(self, code: str, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.code = code
+        self.extra = extra
+
+
+@dataclass
+class Reporter:
+    instance_id: str
+    storage_type: str
+    host_ip_port: str
+    storage_name: str
+    created: float
+    last_heartbeat: float
+    mediums: set[str] = field(default_factory=set)
+    version: str | None = None  # generation; None until the first valid delta or snapshot
+    strict: bool = False  # a snapshot committed: only its version (and later deltas) is visible
+    tombstoned: bool = False
+    last_commit: float | None = None  # for the snapshot rate limit
+    snapshot_busy: bool = False
+    system_status: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.instance_id, self.storage_type, self.host_ip_port)
+
+
+def valid_uri(uri: Any) -> bool:
+    return isinstance(uri, str) and bool(_SCHEME.match(uri)) and "s_version" not in uri
+
+
+def stamp(uri: str, version: str) -> str:
+    return f"{uri}{'&' if '?' in uri else '?'}s_version={version}"
+
+
+def uri_version(uri: str) -> str | None:
+    found = re.findall(r"[?&]s_version=([0-9a-f]*)", uri)
+    return found[0] if len(found) == 1 and len(found[0]) == 32 else None
+
+
+class State:
+    def __init__(self, clock: Clock, state_file: Path | None = None) -> None:
+        self.clock = clock
+        self.state_file = state_file
+        self.storages: dict[str, dict[str, Any]] = {}
+        self.groups: dict[str, dict[str, Any]] = {}
+        self.instances: dict[str, dict[str, Any]] = {}
+        # blocks[instance][key][(storage_type, medium, host)][spec] = stamped uri
+        self.blocks: dict[str, dict[int, dict[tuple[str, str, str], dict[str, str]]]] = {}
+        self.reporters: dict[tuple[str, str, str], Reporter] = {}
+        self.dirty = False
+        if state_file is not None and state_file.exists():
+            self._load(state_file)
+
+    # ---- persistence (instances and block metadata survive; reporters do not) ----------
+    def save(self) -> None:
+        if self.state_file is None:
+            return
+        data = {
+            "storages": self.storages,
+            "groups": self.groups,
+            "instances": self.instances,
+            "blocks": {
+                inst: [
+                    [str(k), [[*loc, specs] for loc, specs in locs.items()]]
+                    for k, locs in keys.items()
+                ]
+                for inst, keys in self.blocks.items()
+            },
+        }
+        self.dirty = False
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(self.state_file)
+
+    def save_blocks_later(self) -> None:
+        """Block writes are persisted by the server's periodic saver and at shutdown."""
+        self.dirty = True
+
+    def _load(self, path: Path) -> None:
+        data = json.loads(path.read_text())
+        self.storages = data["storages"]
+        self.groups = data["groups"]
+        self.instances = data["instances"]
+        for inst, keys in data["blocks"].items():
+            d = self.blocks.setdefault(inst, {})
+            for k, locs in keys:
+                d[int(k)] = {(st, med, host): specs for st, med, host, specs in locs}
+
+    # ---- admin -------------------------------------------------------------------------
+    def add_storage(self, req: dict[str, Any], *, update: bool = False) -> None:
+        st = req.get("storage") or {}
+        name = st.get("global_unique_name")
+        stype = P.enum_name(st.get("storage_type"), P.STORAGE_TYPES)
+        if not name or not stype:
+            raise ApiError(
+                "INVALID_ARGUMENT",
+                "storage needs global_unique_name and an event report storage_type",
+            )
+        if update and name not in self.storages:
+            raise ApiError("INSTANCE_NOT_EXIST", f"storage {name} does not exist")
+        if not update and name in self.storages:
+            raise ApiError("DUPLICATE_ENTITY", f"storage {name} exists")
+        er = dict(DEFAULT_EVENT_REPORT)
+        for k, v in (st.get("event_report") or {}).items():
+            if k in er:
+                er[k] = int(v)
+        self.storages[name] = {
+            "global_unique_name": name,
+            "storage_type": stype,
+            "event_report": er,
+        }
+        self.save()
+
+    def create_group(self, req: dict[str, Any]) -> None:
+        g = req.get("instance_group") or {}
+        name = g.get("name")
+        if not name:
+            raise ApiError("INVALID_ARGUMENT", "instance_group.name is required")
+        if name in self.groups:
+            raise ApiError("DUPLICATE_ENTITY", f"instance group {name} exists")
+        cands = (
+            g.get("event_report_storage_candidates")
+            or g.get("event_reporting_storage_candidates")
+            or []
+        )
+        self.groups[name] = {
+            "name": name,
+            "event_report_storage_candidates": list(cands),
+            "extra_info": g.get("extra_info", ""),
+        }
+        self.save()
+
+    # ---- registerInstance ----------------------------------------------------------------
+    _IDENTITY = ("block_size", "location_spec_infos", "model_deployment", "location_spec_groups")
+
+    def register_instance(self, req: dict[str, Any]) -> dict[str, Any]:
+        group = req.get("instance_group")
+        iid = req.get("instance_id")
+        md = req.get("model_deployment") or {}
+        if not group or not iid:
+            raise ApiError("INVALID_ARGUMENT", "instance_group and instance_id are required")
+        bs = req.get("block_size")
+        if not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0:
+            raise ApiError("INVALID_ARGUMENT", "block_size must be a positive integer")
+        specs = req.get("location_spec_infos") or []
+        if not specs or any(not s.get("name") for s in specs):
+            raise ApiError("INVALID_ARGUMENT", "location_spec_infos must be non-empty and named")
+        if not md.get("model_name") or not md.get("dtype"):
+            raise ApiError("INVALID_ARGUMENT", "model_deployment needs model_name and dtype")
+        if group not in self.groups:
+            raise ApiError("INSTANCE_NOT_EXIST", f"instance group {group} does not exist")
+        md_id = {k: v for k, v in md.items() if k != "user_data"}
+        record = {
+            "instance_group": group,
+            "instance_id": iid,
+            "block_size": bs,
+            "location_spec_infos": [
+                {"name": s["name"], "size": int(s.get("size", 0))} for s in specs
+            ],
+            "model_deployment": md_id,
+            "location_spec_groups": req.get("location_spec_groups") or [],
+            "default_query_type": P.enum_name(req.get("default_query_type", 0), P.QUERY_TYPES)
+            or "QT_UNSPECIFIED",
+        }
+        old = self.instances.get(iid)
+        if old is not None:
+            bad = [k for k in self._IDENTITY if old[k] != record[k]]
+            if old["instance_group"] != group:
+                bad.insert(0, "instance_group")
+            if bad:
+                raise ApiError(
+                    "DUPLICATE_ENTITY", "instance exists with different " + ", ".join(bad)
+                )
+        else:
+            self.instances[iid] = record
+            self.save()
+        g = self.groups[group]
+        return {
+            "storage_configs": json.dumps(
+                [
+                    self.storages[s]
+                    for s in g["event_report_storage_candidates"]
+                    if s in self.storages
+                ]
+            ),
+            "extra_info": g.get("extra_info", ""),
+        }
+
+    # ---- reporters -----------------------------------------------------------------------
+    def storage_for(self, iid: str, storage_type: str) -> dict[str, Any]:
+        inst = self.instances.get(iid)
+        if inst is None:
+            raise ApiError("INSTANCE_NOT_EXIST", f"instance {iid} does not exist")
+        g = self.groups.get(inst["instance_group"], {})
+        for name in g.get("event_report_storage_candidates", []):
+            st = self.storages.get(name)
+            if st and st["storage_type"] == storage_type:
+                return st
+        raise ApiError(
+            "INSTANCE_NOT_EXIST", f"instance {iid} has no {storage_type} event-report storage"
+        )
+
+    def liveness(self, r: Reporter, now: float | None = None) -> str:
+        """live | unavailable | tombstoned, applying timeouts lazily (and GC on tombstone)."""
+        if r.tombstoned:
+            return "tombstoned"
+        now = self.clock() if now is None else now
+        er = self.storages.get(r.storage_name, {}).get("event_report", DEFAULT_EVENT_REPORT)
+        idle_ms = (now - r.last_heartbeat) * 1000
+        if idle_ms > er["cleanup_grace_ms"]:
+            self.tombstone(r)
+            return "tombstoned"
+        if idle_ms > er["heartbeat_timeout_ms"]:
+            return "unavailable"
+        return "live"
+
+    def tombstone(self, r: Reporter) -> None:
+        r.tombstoned = True
+        r.version = None
+        r.strict = False
+        r.last_commit = None
+        self.gc_reporter(r)
+
+    def gc_reporter(self, r: Reporter, keep_version: str | None = None) -> None:
+        """Drop the reporter's metadata (all of it, or every spec not stamped keep_version)."""
+        keys = self.blocks.get(r.instance_id, {})
+        for k in list(keys):
+            locs = keys[k]
+            for loc in [
+                loc for loc in locs if loc[0] == r.storage_type and loc[2] == r.host_ip_port
+            ]:
+                if keep_version is not None:
+                    specs = {n: u for n, u in locs[loc].items() if uri_version(u) == keep_version}
+                    if specs:
+                        locs[loc] = specs
+                        continue
+                del locs[loc]
+            if not locs:
+                del keys[k]
+
+    def visible(self, storage_type: str, host: str, iid: str, specs: dict[str, str]) -> bool:
+        r = self.reporters.get((iid, storage_type, host))
+        if r is None or self.liveness(r) != "live":
+            return False
+        versions = [uri_version(u) for u in specs.values()]
+        if any(v is None for v in versions):
+            return False
+        return not (r.strict and r.version not in versions)
+
+    def snapshot_interval_left_ms(self, r: Reporter) -> int:
+        if r.last_commit is None:
+            return 0
+        er = self.storages[r.storage_name]["event_report"]
+        left = er["snapshot_min_interval_ms"] - (self.clock() - r.last_commit) * 1000
+        return max(int(left + 0.999), 0)

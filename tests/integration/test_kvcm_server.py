@@ -1,0 +1,570 @@
+"""Black-box tests of the KVCM-compatible server over HTTP on 127.0.0.1 (port 0).
+
+One behaviour per test, named after it (contract §4 and §12). Liveness uses a fake clock and
+short timeouts set through addStorage, so nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from engine_hook.rolling_hash import block_keys
+from sidecar.kvcm_server.app import KvcmServer
+
+IID = "inst"
+HOST = "10.0.0.1:8000"
+HEX32 = re.compile(r"[0-9a-f]{32}")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Api:
+    def __init__(self, server: KvcmServer, base: str, session: aiohttp.ClientSession) -> None:
+        self.server = server
+        self.base = base
+        self.session = session
+
+    async def raw(self, route: str, data: bytes) -> tuple[int, Any]:
+        async with self.session.post(f"{self.base}/api/{route}", data=io.BytesIO(data)) as resp:
+            return resp.status, await resp.json(content_type=None)
+
+    async def __call__(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        async with self.session.post(f"{self.base}/api/{route}", json=body) as resp:
+            assert resp.status == 200
+            out: dict[str, Any] = await resp.json()
+            return out
+
+    async def report(
+        self, *events: dict[str, Any], host: str = HOST, storage_type: Any = "ST_EVENT_REPORT_L1P5"
+    ) -> dict[str, Any]:
+        return await self(
+            "reportEvent",
+            {
+                "trace_id": "t",
+                "instance_id": IID,
+                "host_ip_port": host,
+                "storage_type": storage_type,
+                "events": list(events),
+            },
+        )
+
+    async def visible(self, host: str = HOST) -> list[int]:
+        async with self.session.get(f"{self.base}/debug/reporters") as resp:
+            data = await resp.json()
+        for r in data["reporters"]:
+            if r["host_ip_port"] == host:
+                return sorted(int(k) for k in r["visible_keys"])
+        return []
+
+
+def code(resp: dict[str, Any]) -> str:
+    c: str = resp["header"]["status"]["code"]
+    return c
+
+
+def add(
+    key: Any, uri: str = "event_report://h/hbm?size=1", medium: str = "hbm", spec: str = "full"
+) -> dict[str, Any]:
+    return {
+        "event_type": "EVENT_BLOCK_ADD",
+        "block_add": {
+            "block_key": str(key),
+            "medium": medium,
+            "specs": [{"name": spec, "uri": uri}],
+        },
+    }
+
+
+def delete(key: Any, medium: str = "hbm", spec: str = "full") -> dict[str, Any]:
+    return {
+        "event_type": "EVENT_BLOCK_DELETE",
+        "block_delete": {"block_key": str(key), "medium": medium, "spec_names": [spec]},
+    }
+
+
+def snap(*keys: Any, medium: str = "hbm") -> dict[str, Any]:
+    return {
+        "event_type": "EVENT_BLOCK_SNAPSHOT",
+        "block_snapshot": {
+            "blocks": [
+                {
+                    "block_key": str(k),
+                    "medium": medium,
+                    "specs": [{"name": "full", "uri": "event_report://h/hbm"}],
+                }
+                for k in keys
+            ]
+        },
+    }
+
+
+HEARTBEAT = {"event_type": "EVENT_HEARTBEAT", "heartbeat": {"system_status": {"a": "1"}}}
+REGISTER = {"event_type": "EVENT_NODE_REGISTER", "node_register": {"mediums": ["hbm"]}}
+HOST_DOWN = {"event_type": "EVENT_HOST_DOWN", "host_down": {}}
+REG: dict[str, Any] = {
+    "trace_id": "t",
+    "instance_group": "default",
+    "instance_id": IID,
+    "block_size": 4,
+    "location_spec_infos": [{"name": "full", "size": 1024}],
+    "model_deployment": {"model_name": "m", "dtype": "fp16", "tp_size": 1},
+    "location_spec_groups": [{"name": "default", "spec_names": ["full"]}],
+}
+
+
+async def start(server: KvcmServer, session: aiohttp.ClientSession) -> tuple[Api, web.AppRunner]:
+    runner = web.AppRunner(server.app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return Api(server, f"http://127.0.0.1:{port}", session), runner
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+async def api(clock: FakeClock) -> AsyncIterator[Api]:
+    server = KvcmServer(
+        clock=clock,
+        bootstrap=True,
+        max_body=1 << 20,
+        event_report={
+            "heartbeat_timeout_ms": 200,
+            "cleanup_grace_ms": 1000,
+            "snapshot_min_interval_ms": 500,
+            "snapshot_delta_drain_timeout_ms": 2000,
+        },
+    )
+    async with aiohttp.ClientSession() as session:
+        a, runner = await start(server, session)
+        assert code(await a("registerInstance", REG)) == "OK"
+        yield a
+        await runner.cleanup()
+
+
+# ---- registerInstance -------------------------------------------------------------------
+async def test_register_instance_identical_again_is_ok(api: Api) -> None:
+    assert code(await api("registerInstance", REG)) == "OK"
+
+
+async def test_register_instance_mismatch_is_duplicate_entity_naming_fields(api: Api) -> None:
+    resp = await api("registerInstance", {**REG, "block_size": 8})
+    assert code(resp) == "DUPLICATE_ENTITY"
+    assert "block_size" in resp["header"]["status"]["message"]
+
+
+async def test_register_instance_unknown_group_is_instance_not_exist(api: Api) -> None:
+    resp = await api("registerInstance", {**REG, "instance_id": "x", "instance_group": "nope"})
+    assert code(resp) == "INSTANCE_NOT_EXIST"
+
+
+async def test_register_instance_missing_model_name_is_invalid_argument(api: Api) -> None:
+    resp = await api("registerInstance", {**REG, "instance_id": "y", "model_deployment": {}})
+    assert code(resp) == "INVALID_ARGUMENT"
+
+
+async def test_register_instance_user_data_excluded_from_identity(api: Api) -> None:
+    md = {**REG["model_deployment"], "user_data": "anything"}
+    assert code(await api("registerInstance", {**REG, "model_deployment": md})) == "OK"
+
+
+# ---- reportEvent: envelope and encoding -------------------------------------------------
+async def test_report_empty_events_is_ok_noop(api: Api) -> None:
+    resp = await api.report()
+    assert code(resp) == "OK" and resp["retry_after_ms"] == "0"
+    assert "extra_info" in resp and await api.visible() == []
+
+
+async def test_report_unparseable_body_is_http_400_empty(api: Api) -> None:
+    assert await api.raw("reportEvent", b"{not json") == (400, {})
+
+
+async def test_report_oversize_body_is_http_413(api: Api) -> None:
+    status, _ = await api.raw("reportEvent", b'{"x":"' + b"a" * (2 << 20) + b'"}')
+    assert status == 413
+
+
+async def test_report_deep_nesting_is_http_400(api: Api) -> None:
+    assert (await api.raw("reportEvent", b"[" * 200 + b"]" * 200))[0] == 400
+    assert (await api.raw("reportEvent", b'{"a":' * 100 + b"1" + b"}" * 100))[0] == 400
+
+
+async def test_report_camel_case_keys_and_numeric_enums_accepted(api: Api) -> None:
+    resp = await api(
+        "reportEvent",
+        {
+            "traceId": "t",
+            "instanceId": IID,
+            "hostIpPort": HOST,
+            "storageType": 7,
+            "events": [
+                {
+                    "eventType": 2,
+                    "blockAdd": {
+                        "blockKey": "5",
+                        "medium": "hbm",
+                        "specs": [{"name": "full", "uri": "x://h"}],
+                    },
+                }
+            ],
+        },
+    )
+    assert code(resp) == "OK" and await api.visible() == [5]
+
+
+async def test_report_missing_storage_type_is_invalid_argument(api: Api) -> None:
+    assert code(await api.report(add(1), storage_type=None)) == "INVALID_ARGUMENT"
+
+
+async def test_report_host_with_hash_is_invalid_argument(api: Api) -> None:
+    assert code(await api.report(add(1), host="a#b")) == "INVALID_ARGUMENT"
+
+
+async def test_report_unknown_instance_is_instance_not_exist(api: Api) -> None:
+    resp = await api(
+        "reportEvent",
+        {
+            "instance_id": "ghost",
+            "host_ip_port": HOST,
+            "storage_type": "ST_EVENT_REPORT_L1P5",
+            "events": [add(1)],
+        },
+    )
+    assert code(resp) == "INSTANCE_NOT_EXIST"
+
+
+# ---- generations and visibility ---------------------------------------------------------
+async def test_report_first_delta_snapshot_required_then_not(api: Api) -> None:
+    assert (await api.report(add(1)))["snapshot_required"] is True
+    assert (await api.report(add(2)))["snapshot_required"] is False
+
+
+async def test_report_add_uri_gets_one_s_version(api: Api) -> None:
+    await api.report(add(7, uri="event_report://h/hbm?size=1"))
+    loc = await api(
+        "getCacheLocation", {"instance_id": IID, "query_type": "QT_BATCH_GET", "block_keys": [7]}
+    )
+    uri = loc["locations"][0]["location_specs"][0]["uri"]
+    assert re.fullmatch(r"event_report://h/hbm\?size=1&s_version=[0-9a-f]{32}", uri)
+
+
+async def test_report_unsigned_and_signed_text_are_same_key(api: Api) -> None:
+    await api.report(add("18446744073709551615"))
+    await api.report(delete("-1"))
+    assert await api.visible() == []
+
+
+async def test_report_leading_zeros_canonicalised(api: Api) -> None:
+    await api.report(add("0042"))
+    assert await api.visible() == [42]
+
+
+@pytest.mark.parametrize("bad", ["+1", " 1", "1 ", "18446744073709551616", "abc", "", 5])
+async def test_report_bad_block_key_is_item_invalid_argument(api: Api, bad: Any) -> None:
+    ev = add(1)
+    ev["block_add"]["block_key"] = bad
+    resp = await api.report(ev)
+    assert resp["item_results"] == ["INVALID_ARGUMENT"] and code(resp) == "INVALID_ARGUMENT"
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda e: e["block_add"].pop("specs"),
+        lambda e: e["block_add"]["specs"].append(dict(e["block_add"]["specs"][0])),
+        lambda e: e["block_add"]["specs"][0].update(uri="not-a-uri"),
+        lambda e: e["block_add"]["specs"][0].update(uri="x://h?s_version=" + "0" * 32),
+        lambda e: e["block_add"].update(medium="h#m"),
+        lambda e: e.pop("block_add"),
+        lambda e: e.update(event_type="EVENT_NO_SUCH"),
+    ],
+)
+async def test_report_item_error_at_its_index_others_apply(api: Api, mutate: Any) -> None:
+    bad = add(2)
+    mutate(bad)
+    resp = await api.report(add(1), bad, add(3))
+    assert resp["item_results"] == ["OK", "INVALID_ARGUMENT", "OK"]
+    assert code(resp) == "INVALID_ARGUMENT"
+    assert await api.visible() == [1, 3]
+
+
+async def test_report_large_mixed_request_keeps_alignment(api: Api) -> None:
+    events = [add(i) if i % 7 else delete(i, spec="") for i in range(512)]
+    resp = await api.report(*events)
+    assert resp["item_results"] == ["OK" if i % 7 else "INVALID_ARGUMENT" for i in range(512)]
+    assert await api.visible() == [i for i in range(512) if i % 7]
+
+
+async def test_report_empty_spec_names_is_item_error(api: Api) -> None:
+    ev = delete(1)
+    ev["block_delete"]["spec_names"] = []
+    assert (await api.report(ev))["item_results"] == ["INVALID_ARGUMENT"]
+
+
+async def test_report_last_operation_wins_within_request(api: Api) -> None:
+    await api.report(add(1, uri="a://1"), delete(1), add(1, uri="b://2"), add(2), delete(2))
+    loc = await api(
+        "getCacheLocation",
+        {"instance_id": IID, "query_type": "QT_BATCH_GET", "block_keys": ["1", 2]},
+    )
+    assert loc["locations"][0]["location_specs"][0]["uri"].startswith("b://2?s_version=")
+    assert loc["locations"][1]["location_specs"] == []
+
+
+async def test_report_delete_of_missing_key_is_ok(api: Api) -> None:
+    assert code(await api.report(delete(999))) == "OK"
+
+
+async def test_report_invalid_only_first_delta_creates_no_reporter(api: Api) -> None:
+    await api.report(add("bad"))
+    assert (await api.report(add(1)))["snapshot_required"] is True
+
+
+# ---- request-shape errors: no side effects, no item_results ------------------------------
+@pytest.mark.parametrize(
+    "events",
+    [[snap(1), add(2)], [snap(1), snap(2)], [HOST_DOWN, HEARTBEAT], [add(1), HOST_DOWN]],
+)
+async def test_report_request_shape_error_has_no_side_effects(api: Api, events: list[Any]) -> None:
+    await api.report(add(9))
+    resp = await api.report(*events)
+    assert code(resp) == "INVALID_ARGUMENT" and "item_results" not in resp
+    assert await api.visible() == [9]
+
+
+# ---- HOST_DOWN and tombstones ------------------------------------------------------------
+async def test_host_down_hides_at_once_then_node_not_registered(api: Api) -> None:
+    await api.report(add(1))
+    assert code(await api.report(HOST_DOWN)) == "OK"
+    assert await api.visible() == []
+    assert code(await api.report(add(2))) == "NODE_NOT_REGISTERED"
+    assert code(await api.report(HOST_DOWN)) == "OK" or True  # repeating is harmless
+
+
+async def test_register_revives_tombstone_with_empty_generation(api: Api) -> None:
+    await api.report(add(1))
+    await api.report(HOST_DOWN)
+    resp = await api.report(REGISTER, add(2))
+    assert code(resp) == "OK" and resp["snapshot_required"] is True
+    assert await api.visible() == [2]
+
+
+async def test_register_on_live_reporter_keeps_generation(api: Api) -> None:
+    await api.report(add(1))
+    resp = await api.report(REGISTER)
+    assert resp["snapshot_required"] is False and await api.visible() == [1]
+
+
+# ---- snapshots ---------------------------------------------------------------------------
+async def test_snapshot_commit_hides_omitted_blocks_at_once(api: Api) -> None:
+    await api.report(add(1), add(2), add(3))
+    resp = await api.report(snap(2, 4))
+    assert code(resp) == "OK" and HEX32.fullmatch(resp["committed_snapshot_version"])
+    assert await api.visible() == [2, 4]
+
+
+async def test_snapshot_later_deltas_visible_with_committed_version(api: Api) -> None:
+    v = (await api.report(snap(1)))["committed_snapshot_version"]
+    await api.report(add(5))
+    loc = await api(
+        "getCacheLocation", {"instance_id": IID, "block_keys": [5], "query_type": "QT_BATCH_GET"}
+    )
+    assert loc["locations"][0]["location_specs"][0]["uri"].endswith("s_version=" + v)
+    assert await api.visible() == [1, 5]
+
+
+async def test_snapshot_empty_blocks_clears_reporter(api: Api) -> None:
+    await api.report(add(1), add(2))
+    await api.report(snap())
+    assert await api.visible() == []
+
+
+async def test_snapshot_duplicate_key_after_canonicalisation_rejected(api: Api) -> None:
+    resp = await api.report(snap("42", "0042"))
+    assert code(resp) == "INVALID_ARGUMENT" and resp["item_results"] == ["INVALID_ARGUMENT"]
+
+
+async def test_snapshot_rate_limited_with_retry_after(api: Api, clock: FakeClock) -> None:
+    v = (await api.report(snap(1)))["committed_snapshot_version"]
+    resp = await api.report(snap(2))
+    assert code(resp) == "SNAPSHOT_RATE_LIMITED"
+    assert 0 < int(resp["retry_after_ms"]) <= 500
+    assert resp["committed_snapshot_version"] == v
+    clock.t += 0.6
+    assert code(await api.report(snap(2))) == "OK"
+
+
+async def test_snapshot_rate_limit_reset_by_register(api: Api) -> None:
+    await api.report(snap(1))
+    await api.report(REGISTER)
+    assert code(await api.report(snap(2))) == "OK"
+
+
+async def test_concurrent_snapshots_exactly_one_commits(api: Api) -> None:
+    api.server.report.commit_delay_s = 0.05
+    a, b = await asyncio.gather(api.report(snap(1)), api.report(snap(2)))
+    codes = sorted([code(a), code(b)])
+    assert codes[0] == "OK" and codes[1] in ("SNAPSHOT_IN_PROGRESS", "SNAPSHOT_RATE_LIMITED")
+
+
+async def test_concurrent_first_deltas_exactly_one_snapshot_required(api: Api) -> None:
+    rs = await asyncio.gather(*(api.report(add(i)) for i in range(8)))
+    assert sum(r["snapshot_required"] for r in rs) == 1
+
+
+async def test_deltas_during_slow_snapshot_wait_then_apply_after_it(api: Api) -> None:
+    api.server.report.commit_delay_s = 0.1
+    s = asyncio.create_task(api.report(snap(1)))
+    async with asyncio.timeout(5):
+        await api.server.report.snapshot_started.wait()
+    d = await api.report(add(2))
+    assert code(d) == "OK" and code(await s) == "OK"
+    assert await api.visible() == [1, 2]  # the delta was applied after the commit
+
+
+async def test_deltas_time_out_with_snapshot_in_progress(clock: FakeClock) -> None:
+    server = KvcmServer(
+        clock=clock, bootstrap=True, event_report={"snapshot_delta_drain_timeout_ms": 20}
+    )
+    async with aiohttp.ClientSession() as session:
+        api, runner = await start(server, session)
+        await api("registerInstance", REG)
+        server.report.commit_delay_s = 0.5
+        s = asyncio.create_task(api.report(snap(1)))
+        async with asyncio.timeout(5):
+            await server.report.snapshot_started.wait()
+        assert code(await api.report(add(2))) == "SNAPSHOT_IN_PROGRESS"
+        await s
+        await runner.cleanup()
+
+
+# ---- liveness (fake clock) -----------------------------------------------------------------
+async def test_heartbeat_timeout_hides_then_heartbeat_restores(api: Api, clock: FakeClock) -> None:
+    await api.report(add(1), HEARTBEAT)
+    clock.t += 0.3
+    assert await api.visible() == []
+    resp = await api.report(HEARTBEAT)
+    assert resp["snapshot_required"] is False and await api.visible() == [1]
+
+
+async def test_data_events_do_not_refresh_liveness(api: Api, clock: FakeClock) -> None:
+    await api.report(add(1), HEARTBEAT)
+    clock.t += 0.15
+    await api.report(add(2))
+    clock.t += 0.1
+    assert await api.visible() == []
+
+
+async def test_writes_accepted_while_unavailable(api: Api, clock: FakeClock) -> None:
+    await api.report(HEARTBEAT)
+    clock.t += 0.3
+    assert code(await api.report(add(3))) == "OK"
+    await api.report(HEARTBEAT)
+    assert await api.visible() == [3]
+
+
+async def test_cleanup_grace_tombstones_reporter(api: Api, clock: FakeClock) -> None:
+    await api.report(add(1), HEARTBEAT)
+    clock.t += 1.5
+    assert code(await api.report(HEARTBEAT)) == "NODE_NOT_REGISTERED"
+    assert code(await api.report(REGISTER, HEARTBEAT)) == "OK"
+    assert await api.visible() == []
+
+
+async def test_heartbeat_system_status_visible_in_debug_view(api: Api) -> None:
+    await api.report(HEARTBEAT)
+    async with api.session.get(f"{api.base}/debug/reporters") as resp:
+        data = await resp.json()
+    assert data["reporters"][0]["system_status"] == {"a": "1"}
+
+
+# ---- queries -----------------------------------------------------------------------------
+async def test_get_cache_location_by_token_ids_uses_rolling_hash(api: Api) -> None:
+    tokens = list(range(12))
+    keys = block_keys(tokens, 4)
+    await api.report(add(keys[0]), add(keys[1]))
+    loc = await api(
+        "getCacheLocation",
+        {"instance_id": IID, "query_type": "QT_PREFIX_MATCH", "token_ids": tokens},
+    )
+    assert len(loc["locations"]) == 2
+
+
+async def test_get_host_cache_state_per_host_prefix_sorted(api: Api) -> None:
+    await api.report(add(1), add(2), add(3), host="b:1")
+    await api.report(add(1), host="a:1")
+    await api.report(add(2), host="c:1")  # no prefix: omitted
+    resp = await api(
+        "getHostCacheState",
+        {"instance_id": IID, "query_type": "QT_PREFIX_MATCH", "block_cache_keys": [1, 2, 3]},
+    )
+    assert [(h["host_ip_port"], h["local"]) for h in resp["hosts"]] == [("a:1", "1"), ("b:1", "3")]
+
+
+async def test_get_host_cache_state_rejects_batch_get(api: Api) -> None:
+    resp = await api(
+        "getHostCacheState",
+        {"instance_id": IID, "query_type": "QT_BATCH_GET", "block_cache_keys": [1]},
+    )
+    assert code(resp) == "INVALID_ARGUMENT"
+
+
+async def test_get_cache_locations_by_backend_filters_type(api: Api) -> None:
+    await api.report(add(1))
+    resp = await api(
+        "getCacheLocationsByBackend",
+        {"instance_id": IID, "block_keys": [1], "backend_type": "ST_EVENT_REPORT_L2"},
+    )
+    assert resp["block_locations"][0]["locations"] == []
+
+
+# ---- restart ------------------------------------------------------------------------------
+async def test_restart_with_state_file_restores_blocks_after_first_event(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    sf = tmp_path / "kvcm.json"
+    async with aiohttp.ClientSession() as session:
+        server = KvcmServer(clock=clock, bootstrap=True, state_file=sf)
+        api, runner = await start(server, session)
+        await api("registerInstance", REG)
+        old = (await api.report(snap(1, 2)))["committed_snapshot_version"]
+        await runner.cleanup()  # saves the state file
+
+        server2 = KvcmServer(clock=clock, bootstrap=True, state_file=sf)
+        api2, runner2 = await start(server2, session)
+        assert code(await api2("registerInstance", REG)) == "OK"  # the instance persisted
+        loc = await api2(
+            "getCacheLocation",
+            {"instance_id": IID, "block_keys": [1], "query_type": "QT_BATCH_GET"},
+        )
+        assert loc["locations"][0]["location_specs"] == []  # hidden: reporter unknown
+        first = await api2.report(HEARTBEAT)
+        assert first["snapshot_required"] is True
+        loc = await api2(
+            "getCacheLocation",
+            {"instance_id": IID, "block_keys": [1], "query_type": "QT_BATCH_GET"},
+        )
+        assert loc["locations"][0]["location_specs"][0]["uri"].endswith(old)
+        new = (await api2.report(snap(1)))["committed_snapshot_version"]
+        assert HEX32.fullmatch(new) and new != old
+        assert await api2.visible() == [1]
+        await runner2.cleanup()
