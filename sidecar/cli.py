@@ -9,21 +9,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import sys
 from collections.abc import Sequence
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 log = logging.getLogger("kvcm_sidecar")
+
+
+def _version() -> str:
+    try:
+        return version("kvcm-sidecar")
+    except PackageNotFoundError:  # running from a source tree without an install
+        return "0+unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvcm-sidecar", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    p.add_argument("--version", action="version", version=version("kvcm-sidecar"))
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     s = sub.add_parser("kvcm-server", help="run the KVCM-compatible event-report server")
     s.add_argument("--host", default="127.0.0.1")
@@ -53,6 +61,9 @@ async def run_kvcm_server(args: argparse.Namespace) -> None:
 
     from sidecar.kvcm_server.app import KvcmServer
 
+    # A big request decodes into ~10 objects per event; default gen0 thresholds would run the
+    # collector hundreds of times per request in this dedicated process.
+    gc.set_threshold(100_000, 50, 100)
     server = KvcmServer(
         state_file=args.state_file,
         bootstrap=args.bootstrap,

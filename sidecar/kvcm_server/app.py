@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -22,6 +23,7 @@ from sidecar.kvcm_server import proto as P
 from sidecar.kvcm_server.report import EventReport
 from sidecar.kvcm_server.state import ApiError, State, uri_version
 
+log = logging.getLogger(__name__)
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
 STATE_KEY = web.AppKey("state", State)
@@ -165,6 +167,11 @@ class KvcmServer:
             try:
                 out = await fn(req)
                 code, message = out.pop("_code", "OK"), out.pop("_message", "")
+            except (TypeError, ValueError, AttributeError, KeyError) as exc:
+                # A field of the wrong JSON type deep in the body: the message was not valid
+                # for its proto, which the real server answers with HTTP 400 `{}`.
+                log.info("bad request route=%s error=%r", name, exc)
+                return web.Response(status=400, body=b"{}", content_type="application/json")
             except ApiError as exc:
                 code, message, out = exc.code, str(exc), dict(exc.extra)
                 if name == "reportEvent":

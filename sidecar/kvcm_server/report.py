@@ -72,9 +72,11 @@ class EventReport:
             "retry_after_ms": "0",
             "snapshot_required": False,
         }
-        inst = st.instances.get(iid)
+        inst = st.instances.get(iid) if isinstance(iid, str) else None
         if inst is not None:
             out["extra_info"] = st.groups.get(inst["instance_group"], {}).get("extra_info", "")
+        if not isinstance(iid, str) or not isinstance(host, str):
+            raise ApiError("INVALID_ARGUMENT", "instance_id and host_ip_port must be strings")
         if not iid or not host or "#" in host:
             raise ApiError(
                 "INVALID_ARGUMENT",

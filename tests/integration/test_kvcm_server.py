@@ -14,8 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 from aiohttp import web
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine_hook.rolling_hash import block_keys
 from sidecar.kvcm_server.app import KvcmServer
@@ -568,3 +571,64 @@ async def test_restart_with_state_file_restores_blocks_after_first_event(
         assert HEX32.fullmatch(new) and new != old
         assert await api2.visible() == [1]
         await runner2.cleanup()
+
+
+# ---- hostile input ---------------------------------------------------------------------------
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_size=8),
+    lambda kids: (
+        st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=12), kids, max_size=4)
+    ),
+    max_leaves=20,
+)
+FIELDS = st.sampled_from(
+    [
+        "instance_id",
+        "host_ip_port",
+        "storage_type",
+        "events",
+        "event_type",
+        "block_add",
+        "block_key",
+        "specs",
+        "medium",
+        "block_snapshot",
+        "blocks",
+        "spec_names",
+        "heartbeat",
+    ]
+)
+
+
+def _mutated_request(draw: st.DrawFn) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "instance_id": IID,
+        "host_ip_port": "fuzz:1",
+        "storage_type": "ST_EVENT_REPORT_L1P5",
+        "events": [add(draw(st.integers(0, 9))), snap(1)],
+    }
+    path: Any = body
+    for _ in range(draw(st.integers(1, 3))):
+        key = draw(FIELDS)
+        if isinstance(path, dict):
+            path[key] = draw(JSON)
+            nxt = path.get(key)
+            if isinstance(nxt, (dict, list)):
+                path = nxt
+        elif isinstance(path, list) and path:
+            path[0] = draw(JSON)
+    return body
+
+
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+async def test_report_hostile_bodies_never_500_and_never_touch_other_reporters(
+    api: Api, data: st.DataObject
+) -> None:
+    await api.report(add(77))  # an innocent reporter on HOST
+    body = data.draw(st.composite(_mutated_request)())
+    status, _ = await api.raw("reportEvent", msgspec.json.encode(body))
+    assert status in (200, 400)
+    assert await api.visible() == [77]

@@ -1,0 +1,133 @@
+"""Is the KVCM-compatible server ever the bottleneck? One run, over real loopback HTTP.
+
+Measures: single-ADD requests/s from 100 concurrent clients; time to apply one 20,000-event
+request; time to commit a 50,000-block snapshot. The server runs in a child process (its own
+core), the clients here. Goal: >= 200,000 events/s applied. Writes bench/results/kvcm_server.json.
+
+    python -m bench.kvcm_server
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REG = {
+    "instance_group": "default",
+    "instance_id": "bench",
+    "block_size": 16,
+    "location_spec_infos": [{"name": "full", "size": 1 << 20}],
+    "model_deployment": {"model_name": "m", "dtype": "fp16"},
+}
+
+
+def _add(k: int) -> dict[str, Any]:
+    return {
+        "event_type": "EVENT_BLOCK_ADD",
+        "block_add": {
+            "block_key": str(k),
+            "medium": "hbm",
+            "specs": [{"name": "full", "uri": "event_report://h/hbm"}],
+        },
+    }
+
+
+def _req(host: str, events: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "instance_id": "bench",
+        "host_ip_port": host,
+        "storage_type": "ST_EVENT_REPORT_L1P5",
+        "events": events,
+    }
+
+
+async def run(base: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=200)) as s:
+
+        async def post(route: str, body: dict[str, Any]) -> dict[str, Any]:
+            async with s.post(f"{base}/api/{route}", json=body) as r:
+                data: dict[str, Any] = await r.json()
+                assert data["header"]["status"]["code"] == "OK", data["header"]
+                return data
+
+        await post("registerInstance", REG)
+        # 1. single-ADD requests from 100 concurrent clients
+        n_per = 40
+
+        async def client(c: int) -> None:
+            for i in range(n_per):
+                await post("reportEvent", _req(f"h{c}:1", [_add(c * 1000 + i)]))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(c) for c in range(100)))
+        dt = time.perf_counter() - t0
+        out["single_add_requests_per_s_c100"] = 100 * n_per / dt
+        # 2. one 20,000-event request
+        events = [_add(k) for k in range(20_000)]
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            await post("reportEvent", _req("big:1", events))
+            best = min(best, time.perf_counter() - t0)
+        out["apply_20k_event_request_s"] = best
+        out["events_per_s_in_20k_request"] = 20_000 / best
+        # 3. a 50,000-block snapshot
+        blocks = [
+            {
+                "block_key": str(k),
+                "medium": "hbm",
+                "specs": [{"name": "full", "uri": "event_report://h/hbm"}],
+            }
+            for k in range(50_000)
+        ]
+        snap = {"event_type": "EVENT_BLOCK_SNAPSHOT", "block_snapshot": {"blocks": blocks}}
+        t0 = time.perf_counter()
+        await post("reportEvent", _req("snap:1", [snap]))
+        out["commit_50k_block_snapshot_s"] = time.perf_counter() - t0
+    return out
+
+
+def main() -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sidecar.cli",
+            "kvcm-server",
+            "--meta-port",
+            "0",
+            "--bootstrap",
+            "--snapshot-min-interval-ms",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        while "listening on" not in line:
+            line = proc.stdout.readline()
+        base = line.rsplit(" ", 1)[1].strip()
+        result = asyncio.run(run(base))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    result["goal_200k_events_per_s_met"] = float(result["events_per_s_in_20k_request"] >= 200_000)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "kvcm_server.json").write_text(json.dumps(result, indent=2) + "\n")
+    for k, v in result.items():
+        print(f"{k:40s} {v:14.3f}")
+
+
+if __name__ == "__main__":
+    main()
