@@ -2,6 +2,8 @@
 installs signal handlers, picks the event loop and calls sys.exit.
 
 Subcommands:
+  run           run the sidecar for one dp_rank (exit 0 stopped, 2 bad config, 3 identity busy)
+  check-config  print the effective configuration (secrets redacted) or the config error
   kvcm-server   run the KVCM-compatible event-report server (stand-in manager)
 """
 
@@ -10,12 +12,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+from sidecar import logs
+from sidecar.config import Config, ConfigError, load, redacted
 
 log = logging.getLogger("kvcm_sidecar")
 
@@ -33,6 +40,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, text in (
+        ("run", "run the sidecar for one dp_rank"),
+        ("check-config", "print the effective config or the config error"),
+    ):
+        r = sub.add_parser(name, help=text)
+        r.add_argument("--config", type=Path, default=None, help="TOML file")
+        r.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="SECTION.FIELD=VALUE",
+            help="override one field (repeatable); highest precedence",
+        )
+        for flag, path in (
+            ("--endpoint", "manager.endpoint"),
+            ("--instance-id", "identity.instance_id"),
+            ("--instance-group", "manager.instance_group"),
+            ("--dp-rank", "identity.dp_rank"),
+            ("--host-ip-port", "identity.host_ip_port"),
+            ("--metrics-addr", "http.metrics_addr"),
+            ("--publisher-type", "publisher_type"),
+        ):
+            r.add_argument(flag, dest=path, default=None, help=f"same as --set {path}=...")
     s = sub.add_parser("kvcm-server", help="run the KVCM-compatible event-report server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--meta-port", type=int, default=6382, help="0 picks a free port")
@@ -99,22 +129,77 @@ async def run_kvcm_server(args: argparse.Namespace) -> None:
         await runner.cleanup()
 
 
+EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_BUSY = 0, 1, 2, 3
+
+
+def load_config(args: argparse.Namespace) -> Config:
+    overrides: dict[str, str] = {}
+    for item in args.set:
+        path, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item}: expected SECTION.FIELD=VALUE")
+        overrides[path.strip()] = value
+    overrides.update(
+        (key, value)
+        for key, value in vars(args).items()
+        if ("." in key or key == "publisher_type") and value is not None
+    )
+    return load(env=os.environ, toml_path=args.config, overrides=overrides)
+
+
+async def run_sidecar(cfg: Config) -> int:
+    from sidecar.daemon import Daemon
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = {"n": 0}
+
+    def on_signal() -> None:
+        signals["n"] += 1
+        if signals["n"] > 1:
+            log.warning("second signal: exiting at once")
+            os._exit(EXIT_CRASH)
+        log.info("signal received: shutting down grace_s=%s", cfg.shutdown.grace_s)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    return await Daemon(cfg, stop).run()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stdout,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
     if args.command is None:
         parser.print_help()
-        sys.exit(2)
+        sys.exit(EXIT_CONFIG)
     import uvloop
 
     if args.command == "kvcm-server":
+        logs.setup()
         uvloop.run(run_kvcm_server(args))
-    sys.exit(0)
+        sys.exit(EXIT_OK)
+    try:
+        cfg = load_config(args)  # before any shm or socket is touched
+    except ConfigError as exc:
+        sys.stderr.write(f"kvcm-sidecar: config error: {exc}\n")
+        sys.exit(EXIT_CONFIG)
+    if args.command == "check-config":
+        sys.stdout.write(json.dumps(redacted(cfg), indent=2, sort_keys=True) + "\n")
+        sys.exit(EXIT_OK)
+    logs.setup(cfg.log.level, cfg.log.format, cfg.log.repeat_interval_s)
+    log.info("effective config %s", json.dumps(redacted(cfg), sort_keys=True))
+    from sidecar.daemon import IdentityBusy
+
+    try:
+        code = uvloop.run(run_sidecar(cfg))
+    except IdentityBusy as exc:
+        log.error("refusing to start: %s", exc)
+        sys.exit(EXIT_BUSY)
+    except Exception:  # the CLI top level: a crashed loop exits non-zero so it is restarted
+        log.exception("sidecar crashed")
+        sys.exit(EXIT_CRASH)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

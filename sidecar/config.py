@@ -1,0 +1,258 @@
+"""The sidecar's one frozen configuration struct and how it is loaded.
+
+Imports: stdlib + msgspec. Sources in rising precedence: defaults, TOML file, environment
+(`KV_CACHE_EVENT_*`; the seed's five names kept), CLI `--set section.field=value`. Converted once;
+a bad value raises ConfigError naming the source and the field path, before anything touches shm
+or sockets. Only the CLI reads the environment; it passes it in here.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+PosFloat = Annotated[float, Meta(gt=0)]
+NonNegFloat = Annotated[float, Meta(ge=0)]
+PosInt = Annotated[int, Meta(gt=0)]
+
+
+class ConfigError(Exception):
+    """One line naming the source and the field path; the CLI prints it and exits 2."""
+
+
+class Frozen(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ManagerConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    endpoint: str = ""
+    instance_group: str = "default"
+    request_timeout_s: PosFloat = 1.5
+    snapshot_timeout_s: PosFloat = 30.0
+    max_response_bytes: PosInt = 1 << 20
+
+
+class IdentityConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    instance_id: str = ""
+    dp_rank: Annotated[int, Meta(ge=0)] = 0
+    host_ip_port: str = ""  # explicit identity; must differ per dp_rank
+    host_ip: str = ""  # with base_port: host_ip:(base_port + dp_rank * port_stride)
+    base_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    port_stride: PosInt = 1
+    storage_type: Literal["ST_EVENT_REPORT_L1P5", "ST_EVENT_REPORT_L2"] = "ST_EVENT_REPORT_L1P5"
+    spec_name: str = "full"
+    uri_template: str = "event_report://{host_ip_port}/{medium}?size={block_bytes}"
+    lock_dir: str = "/dev/shm"  # noqa: S108 - flock files for the one-sidecar-per-identity rule
+
+
+class RingConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    name: str = ""  # default: derived from instance_id and dp_rank, as the engine does
+    capacity_slots: Annotated[int, Meta(ge=0)] = 0  # 0: accept the segment's / default
+    poll_interval_s: PosFloat = 0.002
+    idle_poll_interval_s: PosFloat = 0.01
+    engine_snapshot_timeout_s: PosFloat = 30.0
+
+
+class ReportConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    batch_max_keys: PosInt = 1000
+    flush_window_s: NonNegFloat = 0.02
+    heartbeat_interval_s: PosFloat = 1.0
+    periodic_snapshot_s: PosFloat = 300.0
+    backoff_base_s: PosFloat = 0.5
+    backoff_cap_s: PosFloat = 30.0
+    retry_after_cap_s: PosFloat = 300.0
+    circuit_retry_s: PosFloat = 60.0
+
+
+class EngineConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    watch_interval_s: PosFloat = 0.2
+    stale_after_s: PosFloat = 5.0
+    dead_after_checks: PosInt = 2
+
+
+class ShutdownConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    grace_s: PosFloat = 10.0
+    host_down_budget_s: PosFloat = 0.5
+
+
+class HttpConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    metrics_addr: str = "127.0.0.1:9400"
+
+
+class LogConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    format: Literal["auto", "text", "json"] = "auto"
+    repeat_interval_s: PosFloat = 60.0
+
+
+class Config(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    publisher_type: Literal["none", "kvcm"] = "kvcm"
+    manager: ManagerConfig = msgspec.field(default_factory=ManagerConfig)
+    identity: IdentityConfig = msgspec.field(default_factory=IdentityConfig)
+    ring: RingConfig = msgspec.field(default_factory=RingConfig)
+    report: ReportConfig = msgspec.field(default_factory=ReportConfig)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    shutdown: ShutdownConfig = msgspec.field(default_factory=ShutdownConfig)
+    http: HttpConfig = msgspec.field(default_factory=HttpConfig)
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        if self.publisher_type != "kvcm":
+            return
+        if not self.manager.endpoint:
+            raise ValueError("manager.endpoint is required when publisher_type=kvcm")
+        if not _ENDPOINT.fullmatch(self.manager.endpoint):
+            raise ValueError(
+                f"manager.endpoint {self.manager.endpoint!r} must be http(s)://host:port"
+            )
+        if not self.identity.instance_id:
+            raise ValueError("identity.instance_id is required when publisher_type=kvcm")
+        if not self.identity.host_ip_port and not (
+            self.identity.host_ip and self.identity.base_port
+        ):
+            raise ValueError(
+                "identity.host_ip_port (or identity.host_ip + identity.base_port) is required "
+                "when publisher_type=kvcm"
+            )
+        if "#" in self.host_ip_port():
+            raise ValueError("identity.host_ip_port must not contain '#'")
+        if _HOST_PORT.fullmatch(self.host_ip_port()) is None:
+            raise ValueError(f"identity.host_ip_port {self.host_ip_port()!r} must be host:port")
+        if self.report.backoff_cap_s < self.report.backoff_base_s:
+            raise ValueError("report.backoff_cap_s must be >= report.backoff_base_s")
+        if self.shutdown.host_down_budget_s >= self.shutdown.grace_s:
+            raise ValueError("shutdown.host_down_budget_s must be < shutdown.grace_s")
+        parse_addr(self.http.metrics_addr)
+
+    def host_ip_port(self) -> str:
+        """The reporter identity for this dp_rank: explicit, or derived from a base port."""
+        i = self.identity
+        if i.host_ip_port:
+            return i.host_ip_port.replace("{dp_rank}", str(i.dp_rank))
+        return f"{i.host_ip}:{i.base_port + i.dp_rank * i.port_stride}"
+
+
+_ENDPOINT = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+:\d{1,5}/?")
+_HOST_PORT = re.compile(r"[^\s:]+(:[^\s:]+)*:\d{1,5}")
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"http.metrics_addr {addr!r} must be host:port")
+    return host or "127.0.0.1", int(port)
+
+
+# Seed names (kept exactly) and other documented aliases -> field paths.
+ENV_ALIASES = {
+    "KV_CACHE_EVENT_PUBLISHER_TYPE": "publisher_type",
+    "KV_CACHE_EVENT_MANAGER_ENDPOINT": "manager.endpoint",
+    "KV_CACHE_EVENT_INSTANCE_GROUP": "manager.instance_group",
+    "KV_CACHE_EVENT_INSTANCE_ID": "identity.instance_id",
+    "KV_CACHE_EVENT_HOST_IP_PORT": "identity.host_ip_port",
+    "KV_CACHE_EVENT_DP_RANK": "identity.dp_rank",
+    "KV_CACHE_EVENT_RING_NAME": "ring.name",
+    "KV_CACHE_EVENT_RING_CAPACITY_SLOTS": "ring.capacity_slots",
+    "KV_CACHE_EVENT_METRICS_ADDR": "http.metrics_addr",
+}
+
+
+def field_paths() -> list[tuple[str, Any, Any]]:
+    """(path, type, default) for every leaf field, for docs and the generic env names."""
+    out: list[tuple[str, Any, Any]] = []
+    for f in msgspec.structs.fields(Config):
+        if isinstance(f.default_factory, type) and issubclass(f.default_factory, Frozen):
+            out.extend(
+                (f"{f.name}.{sub.name}", sub.type, sub.default)
+                for sub in msgspec.structs.fields(f.default_factory)
+            )
+        else:
+            out.append((f.name, f.type, f.default))
+    return out
+
+
+def env_name(path: str) -> str:
+    for name, p in ENV_ALIASES.items():
+        if p == path:
+            return name
+    return "KV_CACHE_EVENT_" + path.replace(".", "_").upper()
+
+
+def _set(tree: dict[str, Any], path: str, value: Any) -> None:
+    parts = path.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{path}: {p} is not a section")
+    node[parts[-1]] = value
+
+
+def load(
+    *,
+    env: Mapping[str, str],
+    toml_path: Path | None = None,
+    overrides: Mapping[str, str] | None = None,
+) -> Config:
+    """Merge the sources and convert once; every error names its source and field."""
+    tree: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    known = {p for p, _t, _d in field_paths()}
+    if toml_path is not None:
+        try:
+            data = tomllib.loads(toml_path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"config file {toml_path}: {exc}") from None
+        for path, value in _flatten(data):
+            if path not in known:
+                raise ConfigError(f"config file {toml_path}: unknown field {path}")
+            _set(tree, path, value)
+            source[path] = f"config file {toml_path}"
+    for path, _t, _d in field_paths():
+        name = env_name(path)
+        if name in env:
+            raw = env[name]
+            _set(tree, path, raw.strip().lower() if path == "publisher_type" else raw)
+            source[path] = f"env {name}"
+    for raw_path, text in (overrides or {}).items():
+        path = raw_path.replace("-", "_")
+        if path not in known:
+            raise ConfigError(f"--set {raw_path}: unknown field")
+        _set(tree, path, text.strip().lower() if path == "publisher_type" else text)
+        source[path] = f"--set {raw_path}"
+    try:
+        return msgspec.convert(tree, Config, strict=False)
+    except msgspec.ValidationError as exc:
+        msg = str(exc)
+        m = re.search(r"at `\$\.([\w.]+)`", msg)
+        path = m.group(1) if m else ""
+        where = source.get(path, "")
+        if not where:
+            named = re.match(r"([\w.]+) ", msg)
+            where = source.get(named.group(1), "defaults") if named else "defaults"
+        raise ConfigError(f"{where}: {path}: {msg}" if path else f"{where}: {msg}") from None
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for k, v in data.items():
+        path = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out += _flatten(v, path + ".")
+        else:
+            out.append((path, v))
+    return out
+
+
+def redacted(cfg: Config) -> dict[str, Any]:
+    """The effective config for logs and `check-config`; credentials in URLs are masked."""
+    data: dict[str, Any] = msgspec.to_builtins(cfg)
+    ep = data["manager"]["endpoint"]
+    data["manager"]["endpoint"] = re.sub(r"//[^@/]+@", "//***@", ep)
+    return data

@@ -1,0 +1,235 @@
+"""The daemon's lifecycle: locks, ring, one TaskGroup owning every loop, shutdown with a deadline.
+
+Imports: stdlib, aiohttp, everything in `sidecar` except engine_hook's hook. Loops are thin; the
+work is in Publisher/EngineSync steps. A crash in one loop cancels the rest and propagates (the
+CLI exits non-zero so systemd/k8s restart the process). The stop event (set by the CLI's signal
+handlers) ends the group; then the final drain, flush and HOST_DOWN run under the grace timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from sidecar.config import Config, parse_addr
+from sidecar.engine_sync import EngineSync
+from sidecar.key_state import KeyState
+from sidecar.kvcm_client.client import KvcmClient
+from sidecar.metrics.registry import Metrics
+from sidecar.metrics.server import build_app
+from sidecar.publisher import Publisher, State
+from sidecar.shm_ring import layout as L
+from sidecar.shm_ring.reader import ReaderConflict, RingReader
+from sidecar.shm_ring.segment import Segment
+
+log = logging.getLogger(__name__)
+Sleep = Callable[[float], Awaitable[None]]
+
+
+class IdentityBusy(Exception):
+    """Another sidecar already serves this reporter identity or ring on this host (exit 3)."""
+
+
+class _Stop(Exception):
+    """Raised inside the TaskGroup to end it when the stop event is set."""
+
+
+def ring_name(cfg: Config) -> str:
+    return cfg.ring.name or L.segment_name(cfg.identity.instance_id, cfg.identity.dp_rank)
+
+
+def identity_lock(cfg: Config) -> int:
+    """flock one file per reporter identity; held for the life of the process."""
+    ident = f"{cfg.identity.instance_id}|{cfg.identity.storage_type}|{cfg.host_ip_port()}"
+    digest = hashlib.sha1(ident.encode(), usedforsecurity=False).hexdigest()[:16]
+    path = os.path.join(cfg.identity.lock_dir, f"kvcm-sidecar.{digest}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise IdentityBusy(
+            f"another kvcm-sidecar already reports instance {cfg.identity.instance_id!r} "
+            f"{cfg.identity.storage_type} as {cfg.host_ip_port()!r} on this host ({path})"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+class Daemon:
+    def __init__(
+        self,
+        cfg: Config,
+        stop: asyncio.Event,
+        *,
+        sleep: Sleep = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.stop = stop
+        self.sleep = sleep
+        self.clock = clock
+        self.work = asyncio.Event()
+        self.metrics = Metrics()
+        self.publisher: Publisher | None = None
+        self.http_port = 0
+        self.started = asyncio.Event()  # set once the HTTP endpoints listen (tests wait on it)
+
+    def status(self) -> dict[str, Any]:
+        if self.publisher is None:
+            return {
+                "state": State.DISABLED.name,
+                "state_code": 0,
+                "reason": "publisher_type is none"
+                if self.cfg.publisher_type == "none"
+                else "starting",
+            }
+        return self.publisher.status()
+
+    def ready(self) -> bool:
+        p = self.publisher
+        return p is not None and p.registered and not p.stopping and not p.engine_down
+
+    async def run(self) -> int:
+        lock_fd = identity_lock(self.cfg) if self.cfg.publisher_type == "kvcm" else None
+        try:
+            if self.cfg.publisher_type == "none":
+                await self._serve_http_until_stop()
+                return 0
+            seg = Segment(
+                ring_name(self.cfg), self.cfg.ring.capacity_slots or None, lock_budget_s=1.0
+            )
+            try:
+                reader = RingReader(seg)
+            except ReaderConflict as exc:
+                seg.close()
+                raise IdentityBusy(str(exc)) from None
+            try:
+                return await self._run_with_ring(reader)
+            finally:
+                reader.close()
+                seg.close()
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)
+
+    async def _serve_http_until_stop(self) -> None:
+        runner = await self._start_http()
+        try:
+            await self.stop.wait()
+        finally:
+            await runner.cleanup()
+
+    async def _start_http(self) -> web.AppRunner:
+        host, port = parse_addr(self.cfg.http.metrics_addr)
+        runner = web.AppRunner(build_app(self.metrics, self.status, self.ready), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        self.http_port = runner.addresses[0][1]
+        log.info("http listening addr=%s:%d", host, self.http_port)
+        self.started.set()
+        return runner
+
+    async def _run_with_ring(self, reader: RingReader) -> int:
+        cfg = self.cfg
+        keys = KeyState()
+        sync = EngineSync(
+            reader, keys, snapshot_timeout_s=cfg.ring.engine_snapshot_timeout_s, clock=self.clock
+        )
+        timeout = aiohttp.ClientTimeout(total=None, connect=cfg.manager.request_timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            client = KvcmClient(session, cfg.manager.endpoint, cfg.manager.max_response_bytes)
+            p = Publisher(cfg, client, sync, clock=self.clock, on_request=self.metrics.observe)
+            self.publisher = p
+            self.metrics.attach(p)
+            runner = await self._start_http()
+            try:
+                try:
+                    async with asyncio.TaskGroup() as tg:
+                        tg.create_task(self._drain_loop(sync), name="drain")
+                        tg.create_task(self._report_loop(p), name="report")
+                        tg.create_task(self._heartbeat_loop(p), name="heartbeat")
+                        tg.create_task(self._watch_loop(p), name="engine-watch")
+                        tg.create_task(self._stop_waiter(), name="stop")
+                except* _Stop:
+                    pass
+                await self._shutdown(p, sync)
+            finally:
+                await runner.cleanup()
+        return 0
+
+    async def _stop_waiter(self) -> None:
+        await self.stop.wait()
+        raise _Stop
+
+    async def _drain_loop(self, sync: EngineSync) -> None:
+        while True:
+            r = sync.step()
+            if r.records or r.resynced:
+                self.work.set()
+            await self.sleep(
+                self.cfg.ring.poll_interval_s if r.records else self.cfg.ring.idle_poll_interval_s
+            )
+
+    async def _report_loop(self, p: Publisher) -> None:
+        window = self.cfg.report.flush_window_s
+        while True:
+            if (
+                window
+                and p.state == State.READY
+                and 0 < len(p.keys.dirty) < self.cfg.report.batch_max_keys
+            ):
+                await self.sleep(window)  # the flush window: let a batch fill up
+            if await p.data_step():
+                continue
+            self.work.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.05):  # also re-checks backoff and circuit timers
+                    await self.work.wait()
+
+    async def _heartbeat_loop(self, p: Publisher) -> None:
+        interval = self.cfg.report.heartbeat_interval_s
+        next_at = self.clock()
+        while True:
+            await p.heartbeat_step()
+            next_at = max(next_at + interval, self.clock())
+            await self.sleep(max(next_at - self.clock(), 0.0))
+
+    async def _watch_loop(self, p: Publisher) -> None:
+        while True:
+            p.watch_step()
+            if p.host_down_pending or not p.engine_down:
+                self.work.set()
+            await self.sleep(self.cfg.engine.watch_interval_s)
+
+    async def _shutdown(self, p: Publisher, sync: EngineSync) -> None:
+        """Drain what the ring holds, flush, then HOST_DOWN, all within the grace period."""
+        p.stopping = True
+        log.info("shutdown: draining dirty=%d", len(p.keys.dirty))
+        cfg = self.cfg
+        deadline = self.clock() + cfg.shutdown.grace_s - cfg.shutdown.host_down_budget_s - 0.2
+        try:
+            async with asyncio.timeout(max(deadline - self.clock(), 0.0)):
+                sync.step()
+                while p.registered and p.keys.dirty and p.retry_at <= self.clock():
+                    before = len(p.keys.dirty)
+                    await p.send_deltas()
+                    if p.state == State.DEGRADED or len(p.keys.dirty) >= before:
+                        break  # the manager is failing: do not spend the grace on retries
+        except TimeoutError:
+            log.warning("shutdown: flush did not finish within the grace period")
+        if p.ever_registered:
+            ok = await p.host_down(cfg.shutdown.host_down_budget_s)
+            log.info("shutdown: host_down sent ok=%s", ok)
+        p.set_state(State.STOPPED, "shut down")

@@ -1,0 +1,133 @@
+"""Keeps KeyState.current equal to the engine's truth through drops, gaps and restarts.
+
+Imports: stdlib, numpy, sidecar.shm_ring, key_state. Synchronous: `step()` drains the ring once.
+Recovery (DESIGN §5): request an engine snapshot fenced at sequence S, buffer the records read
+meanwhile, replace `current` with the snapshot, then apply only records of that incarnation with
+seq > S. Nothing removed before S can come back.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from sidecar.key_state import KeyState
+from sidecar.shm_ring import layout as L
+from sidecar.shm_ring import snapshot
+from sidecar.shm_ring.reader import RingReader
+
+log = logging.getLogger(__name__)
+
+
+class Sync(enum.Enum):
+    NO_ENGINE = "no_engine"  # no producer has attached yet
+    WAITING = "waiting_snapshot"
+    SYNCED = "synced"
+
+
+@dataclass
+class StepResult:
+    records: int = 0
+    resynced: bool = False  # `current` was replaced by an engine snapshot in this step
+
+
+class EngineSync:
+    def __init__(
+        self,
+        reader: RingReader,
+        keys: KeyState,
+        *,
+        snapshot_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.reader = reader
+        self.keys = keys
+        self.clock = clock
+        self.snapshot_timeout_s = snapshot_timeout_s
+        self.status = Sync.NO_ENGINE
+        self.boot_id = 0
+        self.last_seq = 0
+        self.resyncs: Counter[str] = Counter()
+        self.dropped_total = 0
+        self.anomalies = 0
+        self._req = 0
+        self._req_at = 0.0
+        self._buffer: list[np.ndarray] = []
+        self._first = True
+
+    def request(self, reason: str) -> None:
+        """Ask the engine for a snapshot (again); records read meanwhile are buffered."""
+        self.resyncs[reason] += 1
+        log.info("engine resync requested reason=%s boot_id=%x", reason, self.boot_id)
+        self._req = snapshot.request(self.reader.seg)
+        self._req_at = self.clock()
+        self._buffer = []
+        self.status = Sync.WAITING
+
+    def step(self, max_records: int = 1 << 20) -> StepResult:
+        out = StepResult()
+        res = self.reader.read(max_records)
+        if res.incarnation is None:
+            return out
+        if res.anomalies:
+            self.anomalies += len(res.anomalies)
+            log.warning("ring anomaly detail=%s", res.anomalies[0])
+        if res.incarnation.boot_id != self.boot_id:
+            first = self._first
+            self._first = False
+            self.boot_id = res.incarnation.boot_id
+            if not first:
+                self.keys.clear_current()  # a new engine process starts with an empty cache
+            self.request("sidecar_start" if first else "new_incarnation")
+        if res.dropped:
+            self.dropped_total += res.dropped
+            self.request("dropped")
+        elif res.gap:
+            self.request("gap")
+        records = res.records
+        out.records = len(records)
+        if len(records):
+            self.last_seq = int(records[-1, L.C_SEQ])
+        if self.status is Sync.WAITING:
+            self._buffer.append(records)
+            self._poll_snapshot(out)
+        else:
+            self.keys.apply(records)
+        return out
+
+    def _poll_snapshot(self, out: StepResult) -> None:
+        try:
+            snap = snapshot.poll(self.reader.seg, self._req)
+        except snapshot.SnapshotFailed as exc:
+            log.warning("engine snapshot failed detail=%s", exc)
+            self.request("snapshot_failed")
+            return
+        if snap is None:
+            if self.clock() - self._req_at > self.snapshot_timeout_s:
+                self.request("snapshot_timeout")
+            return
+        if snap.boot_id != self.boot_id:
+            self.request("snapshot_incarnation_mismatch")
+            return
+        self.keys.replace(snap.keys, snap.masks)
+        for recs in self._buffer:
+            if len(recs):
+                self.keys.apply(recs[recs[:, L.C_SEQ] > snap.seq])
+        self._buffer = []
+        if int(self.reader.seg.hdr[L.W_DROPPED]) > snap.dropped_at:
+            self.request("dropped_after_fence")  # a record after S was lost: ask again
+            return
+        self.status = Sync.SYNCED
+        out.resynced = True
+        log.info(
+            "engine resync done seq=%d keys=%d published=%d",
+            snap.seq,
+            len(snap.keys),
+            self.keys.published_count,
+        )

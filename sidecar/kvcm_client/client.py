@@ -1,0 +1,196 @@
+"""aiohttp client for KVCM and the classification of every outcome into one action.
+
+Imports: stdlib, aiohttp, msgspec (via wire). One ClientSession per daemon, passed in. Every
+transport failure and every KVCM code maps to exactly one Action (table in docs/wire.md);
+nothing here retries or sleeps: the caller owns the policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from sidecar.kvcm_client.wire import Response, decode_response
+
+MAX_DEPTH = 64
+
+
+class Action(enum.IntEnum):
+    """Ordered by severity: the worst item decides a partially failed request."""
+
+    OK = 0
+    RETRY = 1
+    RESNAPSHOT = 2
+    REREGISTER = 3
+    CIRCUIT_OPEN = 4
+
+
+RETRY_CODES = {
+    "INTERNAL_ERROR",
+    "SERVICE_NOT_READY",
+    "SERVER_NOT_LEADER",
+    "SNAPSHOT_IN_PROGRESS",
+    "SNAPSHOT_RATE_LIMITED",
+    "IO_ERROR",
+    "UNKNOWN_ERROR",
+}
+CIRCUIT_CODES = {"UNSUPPORTED", "INVALID_ARGUMENT", "DUPLICATE_ENTITY", "REACH_MAX_ENTITY_CAPACITY"}
+CODE_NAMES = {
+    0: "UNSPECIFIED",
+    1: "OK",
+    2: "UNSUPPORTED",
+    3: "INTERNAL_ERROR",
+    4: "SERVICE_NOT_READY",
+    5: "INVALID_ARGUMENT",
+    6: "DUPLICATE_ENTITY",
+    7: "REACH_MAX_ENTITY_CAPACITY",
+    8: "INSTANCE_NOT_EXIST",
+    9: "SERVER_NOT_LEADER",
+    10: "NODE_NOT_REGISTERED",
+    11: "SNAPSHOT_IN_PROGRESS",
+    13: "SNAPSHOT_RATE_LIMITED",
+    14: "SNAPSHOT_REQUIRED",
+    20: "IO_ERROR",
+    100: "UNKNOWN_ERROR",
+}
+
+
+def code_name(code: str | int) -> str:
+    if isinstance(code, int) or (isinstance(code, str) and code.isdigit()):
+        return CODE_NAMES.get(int(code), f"CODE_{code}")
+    return code
+
+
+def classify_code(code: str, route: str) -> Action:
+    """One action per KVCM code; `route` matters only for INSTANCE_NOT_EXIST."""
+    if code == "OK":
+        return Action.OK
+    if code in RETRY_CODES:
+        return Action.RETRY
+    if code in CIRCUIT_CODES:
+        return Action.CIRCUIT_OPEN
+    if code == "INSTANCE_NOT_EXIST":
+        # From registerInstance the group/storage config is wrong; from reportEvent the
+        # instance vanished (or the group lost its storage): register again.
+        return Action.CIRCUIT_OPEN if route == "registerInstance" else Action.REREGISTER
+    if code == "NODE_NOT_REGISTERED":
+        return Action.REREGISTER
+    if code == "SNAPSHOT_REQUIRED":
+        return Action.REREGISTER
+    return Action.RETRY  # UNSPECIFIED and codes this sidecar does not know: transient
+
+
+def classify_http(status: int) -> tuple[Action, str]:
+    if status >= 500 or status in (408, 429):
+        return Action.RETRY, f"http_{status}"
+    # 400 `{}` (body invalid for the message), 404 (wrong endpoint), 413 (request too big):
+    # sending the same thing again cannot succeed; the configuration or version is wrong.
+    return Action.CIRCUIT_OPEN, f"http_{status}"
+
+
+@dataclass
+class Result:
+    action: Action
+    reason: str  # KVCM code name, or a transport reason: timeout, connect, http_NNN, ...
+    message: str = ""
+    response: Response | None = None
+    failed_items: list[int] = field(default_factory=list)  # indexes, in order
+    retry_after_s: float = 0.0
+    latency_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.action == Action.OK
+
+
+def _depth(obj: Any, d: int = 1) -> int:
+    if d > MAX_DEPTH:
+        return d
+    if isinstance(obj, dict):
+        return max((_depth(v, d + 1) for v in obj.values()), default=d)
+    if isinstance(obj, list):
+        return max((_depth(v, d + 1) for v in obj), default=d)
+    return d
+
+
+def interpret(body: bytes, route: str, max_bytes: int) -> Result:
+    """Classify a 2xx body: the header code, then item_results on partial failure."""
+    if len(body) > max_bytes:
+        return Result(Action.RETRY, "oversize_response", f"{len(body)} bytes > {max_bytes}")
+    try:
+        if _depth(msgspec.json.decode(body)) > MAX_DEPTH:
+            return Result(Action.RETRY, "malformed_response", f"nested deeper than {MAX_DEPTH}")
+        resp = decode_response(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return Result(Action.RETRY, "malformed_response", str(exc)[:200])
+    code = code_name(resp.header.status.code)
+    try:
+        retry_after_s = int(resp.retry_after_ms) / 1000.0
+    except ValueError:
+        return Result(Action.RETRY, "malformed_response", "retry_after_ms is not an integer")
+    if resp.committed_snapshot_version and not (
+        len(resp.committed_snapshot_version) == 32
+        and all(c in "0123456789abcdef" for c in resp.committed_snapshot_version)
+    ):
+        return Result(Action.RETRY, "malformed_response", "committed_snapshot_version not hex32")
+    items = [code_name(c) for c in resp.item_results]
+    failed = [i for i, c in enumerate(items) if c != "OK"]
+    if code == "OK" and not failed:
+        return Result(Action.OK, "OK", response=resp, retry_after_s=retry_after_s)
+    if failed:
+        action = max(classify_code(items[i], route) for i in failed)
+        reason = items[failed[0]]
+    else:
+        action, reason = classify_code(code, route), code
+    return Result(action, reason, resp.header.status.message, resp, failed, retry_after_s)
+
+
+class KvcmClient:
+    def __init__(self, session: aiohttp.ClientSession, endpoint: str, max_response_bytes: int):
+        self.session = session
+        self.base = endpoint.rstrip("/")
+        self.max_response_bytes = max_response_bytes
+
+    async def post(self, route: str, payload: bytes, timeout_s: float) -> Result:
+        t0 = time.perf_counter()
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self.session.post(
+                    f"{self.base}/api/{route}",
+                    data=payload,
+                    headers={"Content-Type": "application/json"},
+                ) as resp:
+                    body = await resp.content.read(self.max_response_bytes + 1)
+                    status = resp.status
+        except TimeoutError:
+            return Result(
+                Action.RETRY,
+                "timeout",
+                f"no answer in {timeout_s}s",
+                latency_s=time.perf_counter() - t0,
+            )
+        except aiohttp.ClientConnectorError as exc:
+            return Result(
+                Action.RETRY, "connect", str(exc)[:200], latency_s=time.perf_counter() - t0
+            )
+        except (aiohttp.ClientError, OSError) as exc:
+            return Result(
+                Action.RETRY, "transport", repr(exc)[:200], latency_s=time.perf_counter() - t0
+            )
+        if status // 100 != 2:
+            action, reason = classify_http(status)
+            return Result(
+                action,
+                reason,
+                body[:200].decode(errors="replace"),
+                latency_s=time.perf_counter() - t0,
+            )
+        result = interpret(body, route, self.max_response_bytes)
+        result.latency_s = time.perf_counter() - t0
+        return result

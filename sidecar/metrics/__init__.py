@@ -1,0 +1,4 @@
+"""Prometheus metrics and the HTTP endpoints /metrics /healthz /readyz /status.
+
+Imports: prometheus-client, aiohttp. Each Metrics object owns its own CollectorRegistry.
+"""

@@ -1,0 +1,177 @@
+"""Prometheus metrics of one sidecar: its own registry, no globals, labels bounded.
+
+Imports: prometheus-client. Request counts and latencies are observed as requests finish; every
+other gauge and counter (ring, key state, resyncs, states, heartbeats, engine) is read from the
+publisher at scrape time by a collector, so no loop pushes them. METRICS is the catalogue that
+docs/operations.md and a test check against the registry.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from sidecar.kvcm_client.client import Result
+
+if TYPE_CHECKING:
+    from sidecar.publisher import Publisher
+
+# name -> (type, help). Counters are listed without the _total suffix, as Prometheus families.
+METRICS: dict[str, tuple[str, str]] = {
+    "kvcm_sidecar_publisher_state": ("gauge", "Publisher state code (DESIGN §7 numbering)."),
+    "kvcm_sidecar_publisher_state_info": ("gauge", "1 for the current publisher state name."),
+    "kvcm_sidecar_state_changes": ("counter", "Publisher state transitions, by new state."),
+    "kvcm_sidecar_ring_capacity_slots": ("gauge", "Ring capacity in records."),
+    "kvcm_sidecar_ring_lag_records": ("gauge", "Records published by the engine, not yet read."),
+    "kvcm_sidecar_ring_accepted_records": ("counter", "Records the producer accepted (tail)."),
+    "kvcm_sidecar_ring_dropped_records": ("counter", "Records the producer dropped (ring full)."),
+    "kvcm_sidecar_records_read": ("counter", "Records this sidecar read from the ring."),
+    "kvcm_sidecar_resyncs": ("counter", "Engine snapshot requests, by reason."),
+    "kvcm_sidecar_keys_published": ("gauge", "Keys the engine publishes (all required groups)."),
+    "kvcm_sidecar_keys_acked": ("gauge", "Keys KVCM has confirmed."),
+    "kvcm_sidecar_keys_dirty": ("gauge", "Keys whose KVCM state may differ from the engine's."),
+    "kvcm_sidecar_requests": ("counter", "KVCM requests by operation and outcome."),
+    "kvcm_sidecar_request_duration_seconds": ("histogram", "KVCM request latency by operation."),
+    "kvcm_sidecar_retries": ("counter", "Backed-off retries, by operation."),
+    "kvcm_sidecar_circuit_open": ("counter", "Circuit-open events, by reason."),
+    "kvcm_sidecar_heartbeat_failures": ("gauge", "Consecutive heartbeat failures."),
+    "kvcm_sidecar_heartbeat_age_seconds": ("gauge", "Seconds since the last good heartbeat."),
+    "kvcm_sidecar_snapshots_committed": ("counter", "Authoritative snapshots KVCM committed."),
+    "kvcm_sidecar_snapshot_keys": ("counter", "Keys sent in snapshots."),
+    "kvcm_sidecar_snapshot_rate_limited": ("counter", "Snapshots answered SNAPSHOT_RATE_LIMITED."),
+    "kvcm_sidecar_snapshot_last_success_timestamp_seconds": (
+        "gauge",
+        "Unix time of the last committed snapshot.",
+    ),
+    "kvcm_sidecar_delta_keys": ("counter", "Key changes KVCM confirmed through deltas."),
+    "kvcm_sidecar_engine_up": ("gauge", "1 while the engine is attached and alive."),
+    "kvcm_sidecar_engine_anomalies": ("counter", "Ring records rejected as torn or foreign."),
+}
+
+OUTCOMES = ("ok", "retry", "resnapshot", "reregister", "circuit_open")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "kvcm_sidecar_requests",
+            METRICS["kvcm_sidecar_requests"][1],
+            ["op", "outcome"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "kvcm_sidecar_request_duration_seconds",
+            METRICS["kvcm_sidecar_request_duration_seconds"][1],
+            ["op"],
+            buckets=(
+                0.0005,
+                0.001,
+                0.0025,
+                0.005,
+                0.01,
+                0.025,
+                0.05,
+                0.1,
+                0.25,
+                0.5,
+                1,
+                2.5,
+                5,
+                10,
+                30,
+            ),
+            registry=self.registry,
+        )
+
+    def observe(self, op: str, result: Result) -> None:
+        self.requests.labels(op, OUTCOMES[int(result.action)]).inc()
+        self.latency.labels(op).observe(result.latency_s)
+
+    def attach(self, publisher: Publisher) -> None:
+        self.registry.register(_PublisherCollector(publisher))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _PublisherCollector(Collector):
+    def __init__(self, p: Publisher) -> None:
+        self.p = p
+
+    def collect(self) -> Iterator[Metric]:
+        from sidecar.publisher import State
+
+        p = self.p
+        hdr = p.sync.reader.seg.hdr
+        from sidecar.shm_ring import layout as L
+
+        def gauge(name: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, METRICS[name][1], value=value)
+
+        def counter(name: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name, METRICS[name][1], value=value)
+
+        yield gauge("kvcm_sidecar_publisher_state", int(p.state))
+        info = GaugeMetricFamily(
+            "kvcm_sidecar_publisher_state_info",
+            METRICS["kvcm_sidecar_publisher_state_info"][1],
+            labels=["state"],
+        )
+        for s in State:
+            info.add_metric([s.name], 1.0 if s == p.state else 0.0)
+        yield info
+        changes = CounterMetricFamily(
+            "kvcm_sidecar_state_changes", METRICS["kvcm_sidecar_state_changes"][1], labels=["state"]
+        )
+        for s in State:
+            changes.add_metric([s.name], p.state_changes.get(s.name, 0))
+        yield changes
+        yield gauge("kvcm_sidecar_ring_capacity_slots", p.sync.reader.capacity)
+        yield gauge("kvcm_sidecar_ring_lag_records", p.sync.reader.lag())
+        yield counter("kvcm_sidecar_ring_accepted_records", int(hdr[L.W_TAIL]))
+        yield counter("kvcm_sidecar_ring_dropped_records", int(hdr[L.W_DROPPED]))
+        yield counter("kvcm_sidecar_records_read", p.sync.reader.records_read)
+        resyncs = CounterMetricFamily(
+            "kvcm_sidecar_resyncs", METRICS["kvcm_sidecar_resyncs"][1], labels=["reason"]
+        )
+        for reason, n in sorted(p.sync.resyncs.items()):
+            resyncs.add_metric([reason], n)
+        yield resyncs
+        yield gauge("kvcm_sidecar_keys_published", p.keys.published_count)
+        yield gauge("kvcm_sidecar_keys_acked", len(p.keys.acked))
+        yield gauge("kvcm_sidecar_keys_dirty", len(p.keys.dirty))
+        for name, prefix in (
+            ("kvcm_sidecar_retries", "retry:"),
+            ("kvcm_sidecar_circuit_open", "circuit_open:"),
+        ):
+            fam = CounterMetricFamily(
+                name, METRICS[name][1], labels=["op" if prefix == "retry:" else "reason"]
+            )
+            for key, n in sorted(p.counters.items()):
+                if key.startswith(prefix):
+                    fam.add_metric([key[len(prefix) :]], n)
+            yield fam
+        yield gauge("kvcm_sidecar_heartbeat_failures", p.heartbeat_failures)
+        age = p.clock() - p.heartbeat_ok_at if p.heartbeat_ok_at else -1.0
+        yield gauge("kvcm_sidecar_heartbeat_age_seconds", age)
+        yield counter("kvcm_sidecar_snapshots_committed", p.counters["snapshots_committed"])
+        yield counter("kvcm_sidecar_snapshot_keys", p.counters["snapshot_keys"])
+        yield counter("kvcm_sidecar_snapshot_rate_limited", p.counters["snapshot_rate_limited"])
+        yield gauge(
+            "kvcm_sidecar_snapshot_last_success_timestamp_seconds",
+            p.last_success.get("snapshot", 0.0),
+        )
+        yield counter("kvcm_sidecar_delta_keys", p.counters["delta_keys"])
+        alive = p.sync.boot_id != 0 and not p.engine_down
+        yield gauge("kvcm_sidecar_engine_up", 1.0 if alive else 0.0)
+        yield counter("kvcm_sidecar_engine_anomalies", p.sync.anomalies)
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,440 @@
+"""The publisher: registration, deltas, KVCM snapshots, heartbeats and engine death, as steps.
+
+Imports: stdlib, numpy, kvcm_client, key_state, engine_sync, shm_ring. Each `*_step()` does one
+unit of work and returns; the daemon's loops call them and tests drive them directly. At most one
+data request (register, snapshot, delta, host-down) is in flight, because only `data_step` sends
+them; heartbeats go on their own schedule through `heartbeat_step`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import random
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_hook.descriptor import Descriptor
+from sidecar.config import Config
+from sidecar.engine_sync import EngineSync, Sync
+from sidecar.key_state import KeyState
+from sidecar.kvcm_client import wire as W
+from sidecar.kvcm_client.client import Action, KvcmClient, Result
+from sidecar.shm_ring import layout as L
+from sidecar.shm_ring.segment import pid_alive, pid_namespace
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.IntEnum):
+    """Numbering kept from the seed for dashboards (DESIGN §7)."""
+
+    DISABLED = 0
+    STARTING = 1
+    REGISTERING = 3
+    RESYNCING = 4
+    READY = 5
+    DEGRADED = 6
+    STOPPED = 7
+    CIRCUIT_OPEN = 8
+    ENGINE_DOWN = 9
+
+
+@dataclass
+class Backoff:
+    """Capped exponential backoff with full jitter, never below the server's retry_after."""
+
+    base_s: float
+    cap_s: float
+    retry_after_cap_s: float
+    attempt: int = 0
+    rng: random.Random = field(default_factory=random.Random)
+
+    def next_delay(self, retry_after_s: float = 0.0) -> float:
+        self.attempt += 1
+        ceiling = min(self.cap_s, self.base_s * 2 ** min(self.attempt - 1, 30))
+        return max(self.rng.uniform(0, ceiling), min(retry_after_s, self.retry_after_cap_s))
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+class Publisher:
+    def __init__(
+        self,
+        cfg: Config,
+        client: KvcmClient,
+        sync: EngineSync,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_request: Callable[[str, Result], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.sync = sync
+        self.keys: KeyState = sync.keys
+        self.clock = clock
+        self.on_request = on_request
+        self.epoch = secrets.randbits(32)
+        self.host_ip_port = cfg.host_ip_port()
+        self.state = State.STARTING
+        self.reason = "waiting for the engine to attach"
+        self.descriptor: Descriptor | None = None
+        self.registered = False
+        self.ever_registered = False
+        self.need_snapshot = False
+        self.engine_down = False
+        self.host_down_pending = False
+        self.dead_boot_id = 0
+        self.stale_checks = 0
+        self.stopping = False
+        self.backoff = Backoff(
+            cfg.report.backoff_base_s, cfg.report.backoff_cap_s, cfg.report.retry_after_cap_s
+        )
+        self.retry_at = 0.0
+        self.circuit_retry_at = 0.0
+        self.last_snapshot_at = 0.0
+        self.snapshot_not_before = 0.0
+        self.last_success: dict[str, float] = {}
+        self.heartbeat_ok_at = 0.0
+        self.heartbeat_failures = 0
+        self.counters: Counter[str] = Counter()
+        self.state_changes: Counter[str] = Counter()
+        self._n = 0
+
+    # ---- small helpers -------------------------------------------------------------------
+    def set_state(self, state: State, reason: str) -> None:
+        if state != self.state or reason != self.reason:
+            if state != self.state:
+                self.state_changes[state.name] += 1
+                log.info("publisher state %s -> %s reason=%s", self.state.name, state.name, reason)
+            self.state, self.reason = state, reason
+
+    def trace_id(self, op: str) -> str:
+        self._n += 1
+        return (
+            f"kvcm-sidecar-{self.cfg.identity.dp_rank}-{self.epoch:08x}-"
+            f"{self.sync.boot_id:016x}-{op}-{self._n}"
+        )
+
+    def system_status(self) -> dict[str, str]:
+        return {
+            "engine": "kvcm-sidecar",
+            "dp_rank": str(self.cfg.identity.dp_rank),
+            "epoch": f"{self.epoch:08x}",
+            "engine_incarnation": f"{self.sync.boot_id:016x}",
+            "last_seq": str(self.sync.last_seq),
+            "published": str(self.keys.published_count),
+            "ring_lag": str(self.sync.reader.lag()),
+            "dropped": str(self.sync.dropped_total),
+            "state": self.state.name,
+        }
+
+    def _envelope(self, op: str, events: list[W.Event]) -> bytes:
+        req = W.ReportEventRequest(
+            self.trace_id(op),
+            self.cfg.identity.instance_id,
+            self.host_ip_port,
+            self.cfg.identity.storage_type,
+            events,
+        )
+        return W.encode(req)
+
+    async def _send(self, route: str, op: str, payload: bytes, timeout_s: float) -> Result:
+        result = await self.client.post(route, payload, timeout_s)
+        self.counters[f"{op}:{result.reason}"] += 1
+        if self.on_request is not None:
+            self.on_request(op, result)
+        if result.ok:
+            self.last_success[op] = time.time()
+        return result
+
+    def _spec(self) -> W.Spec:
+        d = self.descriptor
+        assert d is not None
+        uri = self.cfg.identity.uri_template.format(
+            host_ip_port=self.host_ip_port,
+            medium=d.medium,
+            block_bytes=d.block_bytes(),
+            dp_rank=self.cfg.identity.dp_rank,
+        )
+        return W.Spec(self.cfg.identity.spec_name, uri)
+
+    def _fail(self, op: str, result: Result) -> None:
+        """Apply the one action the client classified this outcome as."""
+        if result.action == Action.CIRCUIT_OPEN:
+            self.registered = False
+            self.circuit_retry_at = self.clock() + self.cfg.report.circuit_retry_s
+            self.counters[f"circuit_open:{result.reason}"] += 1
+            self.set_state(
+                State.CIRCUIT_OPEN,
+                f"{op} answered {result.reason}: {result.message}"
+                " (configuration is wrong; not sending)",
+            )
+            return
+        if result.action == Action.REREGISTER:
+            self.registered = False
+            self.need_snapshot = True
+            if result.reason == "NODE_NOT_REGISTERED":
+                self.keys.forget_acked()  # a tombstoned reporter lost its metadata
+        elif result.action == Action.RESNAPSHOT:
+            self.need_snapshot = True
+        delay = self.backoff.next_delay(result.retry_after_s)
+        self.retry_at = self.clock() + delay
+        self.counters[f"retry:{op}"] += 1
+        log.warning(
+            "kvcm %s failed reason=%s action=%s attempt=%d delay_s=%.3f",
+            op,
+            result.reason,
+            result.action.name,
+            self.backoff.attempt,
+            delay,
+        )
+        self.set_state(State.DEGRADED, f"{op} failed: {result.reason}")
+
+    def _ok(self, result: Result) -> None:
+        self.backoff.reset()
+        if result.response is not None and result.response.snapshot_required:
+            self.need_snapshot = True
+
+    # ---- engine descriptor and watch -------------------------------------------------------
+    def load_descriptor(self) -> bool:
+        raw = self.sync.reader.seg.read_descriptor()
+        if not raw:
+            return False
+        try:
+            d = Descriptor.from_json(raw)
+        except (ValueError, TypeError) as exc:
+            self.set_state(State.CIRCUIT_OPEN, f"engine descriptor unreadable: {exc}")
+            return False
+        if d.instance_id != self.cfg.identity.instance_id or d.dp_rank != self.cfg.identity.dp_rank:
+            self.set_state(
+                State.CIRCUIT_OPEN,
+                f"engine is instance {d.instance_id!r} dp_rank "
+                f"{d.dp_rank}, this sidecar is {self.cfg.identity.instance_id!r} "
+                f"dp_rank {self.cfg.identity.dp_rank}",
+            )
+            return False
+        self.descriptor = d
+        self.keys.set_required(d.required_groups)
+        return True
+
+    def watch_step(self) -> None:
+        """Engine liveness: pid (same pid namespace), liveness stamp, clean close."""
+        reader = self.sync.reader
+        inc = reader.read_incarnation()
+        if inc is None:
+            return
+        if self.engine_down:
+            if inc.boot_id != self.dead_boot_id and reader.producer_state() == L.PRODUCER_ATTACHED:
+                log.info("engine back boot_id=%x", inc.boot_id)
+                self.engine_down = False
+                self.stale_checks = 0
+                self.descriptor = None
+                self.registered = False
+                self.need_snapshot = True
+            return
+        closed = reader.producer_state() == L.PRODUCER_CLOSED
+        gone = inc.pidns == pid_namespace() and not pid_alive(inc.pid)
+        age_s = (time.monotonic_ns() - reader.producer_liveness_ns()) / 1e9
+        stale = age_s > self.cfg.engine.stale_after_s
+        if closed or gone or stale:
+            self.stale_checks += 1
+        else:
+            self.stale_checks = 0
+        if closed or self.stale_checks >= self.cfg.engine.dead_after_checks:
+            why = "closed" if closed else "pid gone" if gone else f"stale {age_s:.1f}s"
+            log.warning("engine down boot_id=%x reason=%s", inc.boot_id, why)
+            self.engine_down = True
+            self.dead_boot_id = inc.boot_id
+            self.host_down_pending = self.registered
+            self.set_state(State.ENGINE_DOWN, f"engine {why}")
+
+    # ---- data path -------------------------------------------------------------------------
+    async def data_step(self) -> bool:
+        """One data request at most. Returns True if it did work (call again soon)."""
+        now = self.clock()
+        if self.host_down_pending:
+            await self.host_down(self.cfg.shutdown.host_down_budget_s)
+            return True
+        if self.engine_down or self.stopping:
+            return False
+        if self.state == State.CIRCUIT_OPEN and now < self.circuit_retry_at:
+            return False
+        if now < self.retry_at:
+            return False
+        if self.descriptor is None and not self.load_descriptor():
+            return False
+        if not self.registered:
+            await self.register()
+            return True
+        if self.sync.status is not Sync.SYNCED:
+            self.set_state(State.RESYNCING, "waiting for the engine snapshot")
+            return False
+        due = now - self.last_snapshot_at >= self.cfg.report.periodic_snapshot_s
+        if (self.need_snapshot or due) and now >= self.snapshot_not_before:
+            await self.send_snapshot()
+            return True
+        if self.keys.dirty:
+            await self.send_deltas()
+            return True
+        self.set_state(State.READY, "in sync")
+        return False
+
+    async def register(self) -> None:
+        d = self.descriptor
+        assert d is not None
+        self.set_state(State.REGISTERING, "registering with KVCM")
+        spec = self._spec()
+        req = W.RegisterInstanceRequest(
+            self.trace_id("register"),
+            self.cfg.manager.instance_group,
+            d.instance_id,
+            d.block_size_tokens,
+            [W.LocationSpecInfo(spec.name, d.block_bytes())],
+            W.ModelDeployment(d.model_name, d.dtype, d.use_mla, d.tp_size, d.dp_size, d.pp_size),
+            [W.LocationSpecGroup("default", [spec.name])],
+        )
+        timeout = self.cfg.manager.request_timeout_s
+        result = await self._send("registerInstance", "register", W.encode(req), timeout)
+        if not result.ok:
+            self._fail("register", result)
+            return
+        payload = self._envelope(
+            "node_register", [W.ev_register([d.medium]), W.ev_heartbeat(self.system_status())]
+        )
+        result = await self._send("reportEvent", "node_register", payload, timeout)
+        if not result.ok:
+            self._fail("node_register", result)
+            return
+        self._ok(result)
+        self.registered = True
+        self.ever_registered = True
+        self.need_snapshot = True
+        self.heartbeat_ok_at = self.clock()
+
+    async def send_snapshot(self) -> None:
+        d = self.descriptor
+        assert d is not None
+        self.set_state(State.RESYNCING, "sending the authoritative snapshot")
+        keys = self.keys.published_keys()
+        spec = self._spec()
+        blocks = [W.SnapshotBlock(str(k), d.medium, [spec]) for k in keys]
+        payload = self._envelope("snapshot", [W.ev_snapshot(blocks)])
+        self.counters["snapshot_keys"] += len(keys)
+        result = await self._send(
+            "reportEvent", "snapshot", payload, self.cfg.manager.snapshot_timeout_s
+        )
+        if not result.ok:
+            if result.reason == "SNAPSHOT_RATE_LIMITED":
+                # Wait as told, but keep sending deltas meanwhile: they are correct relative
+                # to `acked`, and the snapshot only cleans up what KVCM may hold beyond it.
+                self.counters["snapshot_rate_limited"] += 1
+                wait = min(
+                    max(result.retry_after_s, self.cfg.report.backoff_base_s),
+                    self.cfg.report.retry_after_cap_s,
+                )
+                self.snapshot_not_before = self.clock() + wait * (1 + 0.1 * random.random())
+                self.set_state(State.DEGRADED, "snapshot rate limited")
+                return
+            self._fail("snapshot", result)
+            return
+        self._ok(result)
+        self.keys.commit_snapshot(set(keys))
+        self.need_snapshot = False
+        self.last_snapshot_at = self.clock()
+        self.counters["snapshots_committed"] += 1
+        self.set_state(State.READY, "snapshot committed")
+
+    async def send_deltas(self) -> None:
+        d = self.descriptor
+        assert d is not None
+        batch = self.keys.take_batch(self.cfg.report.batch_max_keys)
+        if not batch:
+            return
+        spec = self._spec()
+        events = [
+            W.ev_add(k, d.medium, spec) if pub else W.ev_delete(k, d.medium, spec.name)
+            for k, pub in batch
+        ]
+        result = await self._send(
+            "reportEvent",
+            "delta",
+            self._envelope("delta", events),
+            self.cfg.manager.request_timeout_s,
+        )
+        if result.ok:
+            self._ok(result)
+            self.keys.confirm(batch)
+            self.counters["delta_keys"] += len(batch)
+            self.set_state(State.READY, "in sync" if not self.keys.dirty else "sending deltas")
+            return
+        if result.failed_items and result.response is not None:
+            # Not transactional: the OK items took effect; retry only the failed, in order.
+            self.keys.confirm(batch, result.failed_items)
+            self.counters["partial_failures"] += 1
+        else:
+            self.keys.confirm(batch, range(len(batch)))
+        self._fail("delta", result)
+
+    async def host_down(self, budget_s: float) -> bool:
+        """Tell KVCM this reporter is gone; it hides our keys at once."""
+        self.host_down_pending = False
+        payload = self._envelope("host_down", [W.ev_host_down()])
+        result = await self._send("reportEvent", "host_down", payload, budget_s)
+        self.registered = False
+        self.keys.forget_acked()
+        return result.ok
+
+    # ---- heartbeat -----------------------------------------------------------------------
+    async def heartbeat_step(self) -> None:
+        if not self.registered or self.engine_down or self.state == State.CIRCUIT_OPEN:
+            return
+        payload = self._envelope("heartbeat", [W.ev_heartbeat(self.system_status())])
+        result = await self._send(
+            "reportEvent", "heartbeat", payload, self.cfg.manager.request_timeout_s
+        )
+        if result.ok:
+            self.heartbeat_ok_at = self.clock()
+            self.heartbeat_failures = 0
+            if result.response is not None and result.response.snapshot_required:
+                self.need_snapshot = True  # KVCM restarted and lost our generation
+            return
+        self.heartbeat_failures += 1
+        if result.action == Action.REREGISTER:
+            self.registered = False  # the data loop re-registers and resnapshots
+            self.need_snapshot = True
+            if result.reason == "NODE_NOT_REGISTERED":
+                self.keys.forget_acked()
+        log.warning(
+            "kvcm heartbeat failed reason=%s failures=%d", result.reason, self.heartbeat_failures
+        )
+
+    # ---- status ----------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        return {
+            "state": self.state.name,
+            "state_code": int(self.state),
+            "reason": self.reason,
+            "epoch": f"{self.epoch:08x}",
+            "engine_incarnation": f"{self.sync.boot_id:016x}",
+            "engine_sync": self.sync.status.value,
+            "host_ip_port": self.host_ip_port,
+            "instance_id": self.cfg.identity.instance_id,
+            "dp_rank": self.cfg.identity.dp_rank,
+            "registered": self.registered,
+            "published": self.keys.published_count,
+            "acked": len(self.keys.acked),
+            "dirty": len(self.keys.dirty),
+            "ring_lag": self.sync.reader.lag(),
+            "dropped": self.sync.dropped_total,
+            "last_seq": self.sync.last_seq,
+            "resyncs": dict(self.sync.resyncs),
+            "last_success": dict(self.last_success),
+            "pid": os.getpid(),
+        }
