@@ -108,5 +108,56 @@ def workload(a: dict[str, Any]) -> None:
     hook.close()
 
 
+def cache(a: dict[str, Any]) -> None:
+    """The reference BlockCache under commands on stdin: work, flood, truth, exit."""
+    import engine_hook
+    from engine_hook.block_cache import BlockCache, GroupSpec
+
+    hook = engine_hook.attach(
+        strict=True,
+        instance_id=a["instance_id"],
+        dp_rank=a.get("dp_rank", 0),
+        ring_name=a["ring"],
+        ring_capacity_slots=a.get("capacity", 0),
+        block_size_tokens=4,
+        group_block_bytes=(4096, 1024),
+        required_groups=(0, 1),
+        max_stage_delay_ms=2.0,
+    )
+    assert not isinstance(hook, engine_hook.NullHook)
+    cache = BlockCache(
+        a.get("blocks", 256),
+        4,
+        [GroupSpec("full", 4096), GroupSpec("swa", 1024, window_blocks=6)],
+        hook,
+        required_groups=(0, 1),
+    )
+    rng = random.Random(a.get("seed", 0))
+    prefixes = [[rng.randrange(50_000) for _ in range(rng.randrange(8, 40))] for _ in range(12)]
+    _emit({"ready": True, "boot_id": hook.stats()["boot_id"]})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "work":
+            for _ in range(cmd["n"]):
+                if rng.random() < 0.05 and cache.published():
+                    cache.evict(rng.choice(sorted(cache.published())), rng.choice([None, 0, 1]))
+                else:
+                    p = rng.choice(prefixes)
+                    cache.insert(p + [rng.randrange(50_000) for _ in range(rng.randrange(0, 24))])
+        elif op == "flood":
+            # Hold the flush lock so the whole burst lands in one flush: >= 10x the ring.
+            with hook._flush_lock:
+                for i in range(cmd["n"]):
+                    cache.insert([10**6 + i * 7 + j for j in range(4)])
+        elif op == "exit":
+            hook.close()
+            _emit({"bye": True})
+            return
+        hook.flush(wait=True)
+        _emit({"published": sorted(cache.published()), "stats": hook.stats()})
+
+
 if __name__ == "__main__":
-    {"burst": burst, "forever": forever, "workload": workload}[sys.argv[1]](json.loads(sys.argv[2]))
+    modes = {"burst": burst, "forever": forever, "workload": workload, "cache": cache}
+    modes[sys.argv[1]](json.loads(sys.argv[2]))

@@ -351,6 +351,7 @@ class KvcmServer:
                     "mediums": sorted(r.mediums),
                     "system_status": r.system_status,
                     "visible_keys": keys,
+                    "heartbeat_times": list(r.heartbeat_times),
                     "stored_versions": sorted(
                         {
                             v
@@ -370,6 +371,8 @@ class KvcmServer:
 
     async def debug_faults(self, request: web.Request) -> web.Response:
         body = P.decode(await request.read())
+        if "fail_items" in body:
+            self.report.fail_items = int(body["fail_items"])
         if "commit_delay_ms" in body:
             self.report.commit_delay_s = float(body["commit_delay_ms"]) / 1000
         for route, rule in (body.get("routes") or {}).items():
@@ -377,4 +380,5 @@ class KvcmServer:
         if body.get("clear"):
             self.faults.rules.clear()
             self.report.commit_delay_s = 0.0
+            self.report.fail_items = 0
         return web.Response(body=b"{}", content_type="application/json")

@@ -60,6 +60,7 @@ class EventReport:
         self.gates: dict[tuple[str, str, str], asyncio.Event] = {}
         self.commit_delay_s = 0.0  # fault injection: hold snapshot commits open
         self.snapshot_started = asyncio.Event()  # set when a commit begins (tests wait on it)
+        self.fail_items = 0  # fault injection: the next N ADD/DELETE items fail, not applied
 
     async def handle(self, req: dict[str, Any]) -> dict[str, Any]:
         st = self.state
@@ -127,6 +128,9 @@ class EventReport:
             try:
                 if etype == SNAPSHOT:
                     await self._snapshot(r, ev.get("block_snapshot"), out)
+                elif etype in (ADD, DELETE) and self.fail_items > 0:
+                    self.fail_items -= 1
+                    raise ItemError("INTERNAL_ERROR", "injected item failure")
                 else:
                     self._apply(r, etype, ev)
                 results.append("OK")
@@ -171,6 +175,7 @@ class EventReport:
                 {str(k): str(v) for k, v in ss.items()} if isinstance(ss, dict) else {}
             )
             r.last_heartbeat = now
+            r.heartbeat_times.append(now)
         elif etype == ADD:
             key, medium = _key_medium(payload)
             specs = _specs(payload)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,7 @@ class Reporter:
     last_commit: float | None = None  # for the snapshot rate limit
     snapshot_busy: bool = False
     system_status: dict[str, str] = field(default_factory=dict)
+    heartbeat_times: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
     @property
     def key(self) -> tuple[str, str, str]:

@@ -1,0 +1,240 @@
+"""End-to-end harness: real engine process, real `kvcm-sidecar run` process, the project's
+KVCM-compatible server on 127.0.0.1:0 in the test's event loop (so tests can inject faults).
+
+Oracle: KVCM's visible keys for the reporter == the engine's published set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from queue import Empty, Queue
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from sidecar.kvcm_server.app import KvcmServer
+from sidecar.shm_ring.segment import unlink
+from tests.proc import ROOT, EngineProc
+
+SIDECAR_SETTINGS = {
+    "report.heartbeat_interval_s": "0.2",
+    "report.flush_window_s": "0.01",
+    "report.backoff_base_s": "0.05",
+    "report.backoff_cap_s": "0.5",
+    "report.circuit_retry_s": "1",
+    "engine.watch_interval_s": "0.05",
+    "engine.stale_after_s": "3",
+    "manager.request_timeout_s": "0.5",
+    "manager.snapshot_timeout_s": "10",
+    "shutdown.grace_s": "5",
+    "shutdown.host_down_budget_s": "0.5",
+    "ring.idle_poll_interval_s": "0.005",
+}
+
+
+class SidecarProc:
+    """`kvcm-sidecar run` as a child process; its JSON log lines are collected."""
+
+    def __init__(self, env: dict[str, str], settings: dict[str, str]) -> None:
+        argv = [sys.executable, "-m", "sidecar.cli", "run"]
+        for k, v in settings.items():
+            argv += ["--set", f"{k}={v}"]
+        self.p = subprocess.Popen(
+            argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: Queue[str] = Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            self.log.append(line)
+            self.lines.put(line)
+        self.lines.put("")
+
+    def wait_line(self, needle: str, timeout: float = 20) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except Empty:
+                raise TimeoutError(f"sidecar never logged {needle!r}") from None
+            if not line:
+                raise EOFError(f"sidecar exited rc={self.p.wait()}: {''.join(self.log[-20:])}")
+            if needle in line:
+                return line
+
+    def terminate(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait(timeout=10)
+
+    def close(self) -> None:
+        self.kill()
+        if self.p.stdout is not None:
+            self.p.stdout.close()
+
+
+class Harness:
+    def __init__(
+        self,
+        tmp: Path,
+        *,
+        capacity: int = 4096,
+        event_report: dict[str, int] | None = None,
+        settings: dict[str, str] | None = None,
+    ) -> None:
+        self.tmp = tmp
+        self.ring = f"/kvcm-e2e-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.instance_id = f"e2e-{uuid.uuid4().hex[:6]}"
+        self.host = f"127.0.0.1:{20000 + os.getpid() % 20000}"
+        self.capacity = capacity
+        self.event_report = {"snapshot_min_interval_ms": 1000, **(event_report or {})}
+        self.settings = {**SIDECAR_SETTINGS, **(settings or {})}
+        self.server = KvcmServer(
+            bootstrap=True, event_report=self.event_report, state_file=tmp / "kvcm.json"
+        )
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+        self.session: aiohttp.ClientSession | None = None
+        self.engine: EngineProc | None = None
+        self.sidecar: SidecarProc | None = None
+        self.published: set[int] = set()
+        self.seed = 1
+
+    # ---- KVCM server ------------------------------------------------------------------------
+    async def start_server(self) -> None:
+        self.runner = web.AppRunner(self.server.app())
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        self.port = self.runner.addresses[0][1]
+        if self.session is None:
+            self.session = aiohttp.ClientSession()
+
+    async def stop_server(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    async def restart_server(self) -> None:
+        """A KVCM restart: instances and blocks persist (state file); reporters do not."""
+        await self.stop_server()
+        self.server = KvcmServer(
+            bootstrap=True, event_report=self.event_report, state_file=self.tmp / "kvcm.json"
+        )
+        await self.start_server()
+
+    async def debug(self) -> dict[str, Any]:
+        assert self.session is not None
+        async with self.session.get(f"http://127.0.0.1:{self.port}/debug/reporters") as r:
+            data: dict[str, Any] = await r.json()
+            return data
+
+    async def reporter(self) -> dict[str, Any] | None:
+        for r in (await self.debug())["reporters"]:
+            if r["host_ip_port"] == self.host and r["instance_id"] == self.instance_id:
+                return dict(r)
+        return None
+
+    async def visible(self) -> set[int]:
+        r = await self.reporter()
+        return {int(k) for k in r["visible_keys"]} if r else set()
+
+    async def faults(self, **body: Any) -> None:
+        assert self.session is not None
+        async with self.session.post(f"http://127.0.0.1:{self.port}/debug/faults", json=body) as r:
+            assert r.status == 200
+
+    # ---- engine -----------------------------------------------------------------------------
+    def start_engine(self, blocks: int = 256) -> dict[str, Any]:
+        self.engine = EngineProc(
+            "cache",
+            {
+                "ring": self.ring,
+                "instance_id": self.instance_id,
+                "capacity": self.capacity,
+                "seed": self.seed,
+                "blocks": blocks,
+            },
+        )
+        self.seed += 1
+        return self.engine.recv()
+
+    def engine_cmd(self, **cmd: Any) -> dict[str, Any]:
+        assert self.engine is not None
+        self.engine.send(json.dumps(cmd))
+        out = self.engine.recv(timeout=60)
+        self.published = set(out["published"])
+        return out
+
+    # ---- sidecar ----------------------------------------------------------------------------
+    def sidecar_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KV_CACHE_EVENT_")}
+        env.update(
+            {
+                "KV_CACHE_EVENT_MANAGER_ENDPOINT": f"http://127.0.0.1:{self.port}",
+                "KV_CACHE_EVENT_INSTANCE_ID": self.instance_id,
+                "KV_CACHE_EVENT_HOST_IP_PORT": self.host,
+                "KV_CACHE_EVENT_RING_NAME": self.ring,
+                "KV_CACHE_EVENT_METRICS_ADDR": "127.0.0.1:0",
+                "KV_CACHE_EVENT_LOG_FORMAT": "json",
+            }
+        )
+        return env
+
+    def start_sidecar(self, **settings: str) -> SidecarProc:
+        self.sidecar = SidecarProc(self.sidecar_env(), {**self.settings, **settings})
+        line = self.sidecar.wait_line("http listening")
+        self.metrics_port = int(json.loads(line)["msg"].rsplit(":", 1)[1])
+        return self.sidecar
+
+    async def metrics(self) -> str:
+        assert self.session is not None
+        async with self.session.get(f"http://127.0.0.1:{self.metrics_port}/metrics") as r:
+            return await r.text()
+
+    async def status(self) -> dict[str, Any]:
+        assert self.session is not None
+        async with self.session.get(f"http://127.0.0.1:{self.metrics_port}/status") as r:
+            data: dict[str, Any] = await r.json()
+            return data
+
+    # ---- the oracle -------------------------------------------------------------------------
+    async def converge(self, timeout: float = 20.0) -> None:
+        """Wait (bounded) until KVCM shows exactly the engine's published set."""
+        deadline = time.monotonic() + timeout
+        seen: set[int] = set()
+        while True:
+            seen = await self.visible()
+            if seen == self.published:
+                return
+            if time.monotonic() > deadline:
+                missing = len(self.published - seen)
+                extra = len(seen - self.published)
+                tail = "".join(self.sidecar.log[-15:]) if self.sidecar else ""
+                raise AssertionError(f"no convergence: missing={missing} extra={extra}\n{tail}")
+            await asyncio.sleep(0.02)  # polling another process's state, bounded by deadline
+
+    async def close(self) -> None:
+        for proc in (self.sidecar, self.engine):
+            if proc is not None:
+                proc.close()
+        await self.stop_server()
+        if self.session is not None:
+            await self.session.close()
+        unlink(self.ring)
