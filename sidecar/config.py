@@ -138,7 +138,7 @@ class Config(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
         return f"{i.host_ip}:{i.base_port + i.dp_rank * i.port_stride}"
 
 
-_ENDPOINT = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+:\d{1,5}/?")
+_ENDPOINT = re.compile(r"https?://([^@/\s]+@)?[A-Za-z0-9.\-\[\]:]+:\d{1,5}/?")
 _HOST_PORT = re.compile(r"[^\s:]+(:[^\s:]+)*:\d{1,5}")
 
 

@@ -8,6 +8,7 @@ them; heartbeats go on their own schedule through `heartbeat_step`.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import os
@@ -383,13 +384,24 @@ class Publisher:
         self._fail("delta", result)
 
     async def host_down(self, budget_s: float) -> bool:
-        """Tell KVCM this reporter is gone; it hides our keys at once."""
+        """Tell KVCM this reporter is gone (it hides our keys at once); retried within budget."""
         self.host_down_pending = False
-        payload = self._envelope("host_down", [W.ev_host_down()])
-        result = await self._send("reportEvent", "host_down", payload, budget_s)
+        deadline = self.clock() + budget_s
+        ok = False
+        while not ok:
+            left = deadline - self.clock()
+            if left <= 0.01:
+                break
+            payload = self._envelope("host_down", [W.ev_host_down()])
+            result = await self._send("reportEvent", "host_down", payload, left)
+            ok = result.ok
+            if not ok and result.action == Action.CIRCUIT_OPEN:
+                break
+            if not ok:
+                await asyncio.sleep(min(0.05, max(deadline - self.clock(), 0)))
         self.registered = False
         self.keys.forget_acked()
-        return result.ok
+        return ok
 
     # ---- heartbeat -----------------------------------------------------------------------
     async def heartbeat_step(self) -> None:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from engine_hook.rolling_hash import block_keys as rolling_keys
@@ -370,7 +371,7 @@ class KvcmServer:
         )
 
     async def debug_faults(self, request: web.Request) -> web.Response:
-        body = P.decode(await request.read())
+        body = msgspec.json.decode(await request.read())  # route names stay as written
         if "fail_items" in body:
             self.report.fail_items = int(body["fail_items"])
         if "commit_delay_ms" in body:

@@ -162,6 +162,8 @@ class Harness:
 
     # ---- engine -----------------------------------------------------------------------------
     def start_engine(self, blocks: int = 256) -> dict[str, Any]:
+        if self.engine is not None:
+            self.engine.close()
         self.engine = EngineProc(
             "cache",
             {
@@ -198,6 +200,8 @@ class Harness:
         return env
 
     def start_sidecar(self, **settings: str) -> SidecarProc:
+        if self.sidecar is not None:
+            self.sidecar.close()
         self.sidecar = SidecarProc(self.sidecar_env(), {**self.settings, **settings})
         line = self.sidecar.wait_line("http listening")
         self.metrics_port = int(json.loads(line)["msg"].rsplit(":", 1)[1])
@@ -215,9 +219,9 @@ class Harness:
             return data
 
     # ---- the oracle -------------------------------------------------------------------------
-    async def converge(self, timeout: float = 20.0) -> None:
+    async def converge(self, within_s: float = 20.0) -> None:
         """Wait (bounded) until KVCM shows exactly the engine's published set."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + within_s
         seen: set[int] = set()
         while True:
             seen = await self.visible()
@@ -228,6 +232,16 @@ class Harness:
                 extra = len(seen - self.published)
                 tail = "".join(self.sidecar.log[-15:]) if self.sidecar else ""
                 raise AssertionError(f"no convergence: missing={missing} extra={extra}\n{tail}")
+            await asyncio.sleep(0.02)  # polling another process's state, bounded by deadline
+
+    async def reporter_until(self, pred: Any, within_s: float = 10.0) -> dict[str, Any]:
+        """Wait (bounded) until the reporter's debug view satisfies `pred`."""
+        deadline = time.monotonic() + within_s
+        while True:
+            r = await self.reporter()
+            if r is not None and pred(r):
+                return r
+            assert time.monotonic() < deadline, f"reporter never matched: {r}"
             await asyncio.sleep(0.02)  # polling another process's state, bounded by deadline
 
     async def close(self) -> None:
