@@ -1,0 +1,109 @@
+"""Key state properties: snapshot + later records == fold of all records; acked/dirty rules."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidecar.key_state import KeyState
+from sidecar.shm_ring import layout as L
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from([L.KIND_STORED] * 6 + [L.KIND_REMOVED] * 3 + [L.KIND_CLEARED]),
+        st.integers(0, 1),
+        st.integers(-5, 12),
+    ),
+    max_size=120,
+)
+
+
+def records(ops: list[tuple[int, int, int]], start_seq: int = 1) -> np.ndarray:
+    out = np.zeros((len(ops), 4), np.uint64)
+    for i, (kind, group, key) in enumerate(ops):
+        out[i] = (start_seq + i, np.int64(key).view(np.uint64), L.pack_meta(kind, group), 0)
+    return out
+
+
+def fold(ops: list[tuple[int, int, int]]) -> dict[int, int]:
+    state: dict[int, int] = {}
+    for kind, group, key in ops:
+        if kind == L.KIND_CLEARED:
+            state.clear()
+        elif kind == L.KIND_STORED:
+            state[key] = state.get(key, 0) | 1 << group
+        else:
+            v = state.get(key, 0) & ~(1 << group)
+            if v:
+                state[key] = v
+            else:
+                state.pop(key, None)
+    return state
+
+
+@settings(max_examples=300)
+@given(ops=OPS, cut=st.integers(0, 120), req=st.sampled_from([(0,), (1,), (0, 1)]))
+def test_key_state_snapshot_plus_later_records_equals_fold(
+    ops: list[tuple[int, int, int]], cut: int, req: tuple[int, ...]
+) -> None:
+    cut = min(cut, len(ops))
+    truth = fold(ops)
+    ks = KeyState(req)
+    ks.apply(records(ops[:5]))  # some stale state the snapshot must replace
+    snap = fold(ops[:cut])
+    ks.replace(np.array(list(snap), np.int64), np.array(list(snap.values()), np.uint32))
+    ks.apply(records(ops[cut:], cut + 1))
+    assert ks.current == truth
+    mask = sum(1 << g for g in req)
+    assert ks.published_count == sum(1 for m in truth.values() if m & mask == mask)
+
+
+@settings(max_examples=300)
+@given(ops=OPS, batch=st.integers(1, 7), fail_every=st.integers(0, 3))
+def test_key_state_sending_dirty_makes_acked_equal_published(
+    ops: list[tuple[int, int, int]], batch: int, fail_every: int
+) -> None:
+    ks = KeyState((0,))
+    for i in range(0, len(ops), 10):
+        ks.apply(records(ops[i : i + 10], i + 1))
+        sent = ks.take_batch(batch)
+        failed = [j for j in range(len(sent)) if fail_every and j % (fail_every + 1) == 0]
+        ks.confirm(sent, failed)
+    while ks.dirty:
+        ks.confirm(ks.take_batch(batch))
+    assert ks.acked == set(ks.published_keys())
+    assert ks.in_sync()
+
+
+def test_key_state_unchanged_key_never_resent() -> None:
+    ks = KeyState((0,))
+    ks.apply(records([(L.KIND_STORED, 0, 1)]))
+    ks.confirm(ks.take_batch(10))
+    ks.apply(records([(L.KIND_REMOVED, 0, 1), (L.KIND_STORED, 0, 1)], 2))
+    assert ks.take_batch(10) == []  # stored -> removed -> stored: KVCM already has it
+
+
+def test_key_state_repeated_store_and_other_group_change_nothing() -> None:
+    ks = KeyState((0, 1))
+    ks.apply(records([(L.KIND_STORED, 0, 7), (L.KIND_STORED, 0, 7)]))
+    assert ks.published_count == 0 and ks.take_batch(10) == []
+    ks.apply(records([(L.KIND_STORED, 1, 7)], 3))
+    assert ks.take_batch(10) == [(7, True)]
+
+
+def test_key_state_commit_snapshot_keeps_changes_made_meanwhile_dirty() -> None:
+    ks = KeyState((0,))
+    ks.apply(records([(L.KIND_STORED, 0, k) for k in range(5)]))
+    sent = set(ks.published_keys())
+    ks.apply(records([(L.KIND_REMOVED, 0, 0), (L.KIND_STORED, 0, 9)], 6))
+    ks.commit_snapshot(sent)
+    assert sorted(ks.take_batch(10)) == [(0, False), (9, True)]
+
+
+def test_key_state_partial_failure_requeues_failed_in_order_first() -> None:
+    ks = KeyState((0,))
+    ks.apply(records([(L.KIND_STORED, 0, k) for k in range(6)]))
+    sent = ks.take_batch(4)
+    ks.confirm(sent, [1, 3])
+    assert [k for k, _ in ks.take_batch(10)] == [1, 3, 4, 5]

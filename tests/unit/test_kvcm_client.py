@@ -1,0 +1,195 @@
+"""Result classification: every transport failure and KVCM code maps to one action.
+
+Against a real aiohttp server on 127.0.0.1:0 that answers each route with a scripted response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sidecar.kvcm_client.client import CODE_NAMES, Action, KvcmClient, classify_code
+from sidecar.publisher import Backoff
+
+SCRIPT: dict[str, tuple[int, bytes, float]] = {}
+
+
+async def _handler(request: web.Request) -> web.Response:
+    status, body, delay = SCRIPT[request.match_info["route"]]
+    if delay:
+        await asyncio.sleep(delay)
+    return web.Response(status=status, body=body, content_type="application/json")
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[KvcmClient]:
+    app = web.Application()
+    app.router.add_post("/api/{route}", _handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    async with aiohttp.ClientSession() as session:
+        yield KvcmClient(session, f"http://127.0.0.1:{port}", max_response_bytes=4096)
+    await runner.cleanup()
+
+
+def _ok(extra: str = "") -> bytes:
+    return (
+        b'{"header":{"status":{"code":"OK","message":""}},"retry_after_ms":"0"'
+        + extra.encode()
+        + b"}"
+    )
+
+
+CASES: list[tuple[str, int, bytes, Action, str]] = [
+    ("ok", 200, _ok(), Action.OK, "OK"),
+    ("ok_numeric_code", 200, b'{"header":{"status":{"code":1}}}', Action.OK, "OK"),
+    (
+        "camel_case",
+        200,
+        b'{"header":{"status":{"code":"OK"}},"snapshotRequired":true}',
+        Action.OK,
+        "OK",
+    ),
+    ("http_503", 503, b"{}", Action.RETRY, "http_503"),
+    ("http_500", 500, b"oops", Action.RETRY, "http_500"),
+    ("http_429", 429, b"{}", Action.RETRY, "http_429"),
+    ("http_400_empty", 400, b"{}", Action.CIRCUIT_OPEN, "http_400"),
+    ("http_404", 404, b"not found", Action.CIRCUIT_OPEN, "http_404"),
+    ("http_413", 413, b"{}", Action.CIRCUIT_OPEN, "http_413"),
+    ("malformed", 200, b"{not json", Action.RETRY, "malformed_response"),
+    ("wrong_types", 200, b'{"header":{"status":{"code":[1]}}}', Action.RETRY, "malformed_response"),
+    (
+        "bad_retry_after",
+        200,
+        b'{"header":{"status":{"code":"OK"}},"retry_after_ms":"soon"}',
+        Action.RETRY,
+        "malformed_response",
+    ),
+    (
+        "bad_version",
+        200,
+        _ok(',"committed_snapshot_version":"xyz"'),
+        Action.RETRY,
+        "malformed_response",
+    ),
+    ("oversize", 200, _ok(',"extra_info":"' + "x" * 5000 + '"'), Action.RETRY, "oversize_response"),
+    ("deep", 200, b'{"a":' * 70 + b"1" + b"}" * 70, Action.RETRY, "malformed_response"),
+    (
+        "rate_limited",
+        200,
+        b'{"header":{"status":{"code":"SNAPSHOT_RATE_LIMITED"}},"retry_after_ms":"1500"}',
+        Action.RETRY,
+        "SNAPSHOT_RATE_LIMITED",
+    ),
+    (
+        "not_registered",
+        200,
+        b'{"header":{"status":{"code":"NODE_NOT_REGISTERED"}}}',
+        Action.REREGISTER,
+        "NODE_NOT_REGISTERED",
+    ),
+    (
+        "invalid",
+        200,
+        b'{"header":{"status":{"code":"INVALID_ARGUMENT"}}}',
+        Action.CIRCUIT_OPEN,
+        "INVALID_ARGUMENT",
+    ),
+    (
+        "partial",
+        200,
+        b'{"header":{"status":{"code":"INTERNAL_ERROR"}},'
+        b'"item_results":["OK","INTERNAL_ERROR","OK","SNAPSHOT_IN_PROGRESS"]}',
+        Action.RETRY,
+        "INTERNAL_ERROR",
+    ),
+    (
+        "partial_worst_wins",
+        200,
+        b'{"header":{"status":{"code":"INTERNAL_ERROR"}},'
+        b'"item_results":["INTERNAL_ERROR","INVALID_ARGUMENT"]}',
+        Action.CIRCUIT_OPEN,
+        "INTERNAL_ERROR",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("route", "status", "body", "action", "reason"), CASES, ids=[c[0] for c in CASES]
+)
+async def test_client_classifies_response(
+    client: KvcmClient, route: str, status: int, body: bytes, action: Action, reason: str
+) -> None:
+    SCRIPT[route] = (status, body, 0.0)
+    result = await client.post(route, b"{}", timeout_s=2)
+    assert (result.action, result.reason) == (action, reason)
+
+
+async def test_client_partial_failure_lists_failed_items_in_order(client: KvcmClient) -> None:
+    SCRIPT["p"] = (CASES[18][1], CASES[18][2], 0.0)
+    result = await client.post("p", b"{}", timeout_s=2)
+    assert result.failed_items == [1, 3]
+
+
+async def test_client_retry_after_and_snapshot_required_parsed(client: KvcmClient) -> None:
+    SCRIPT["r"] = (
+        200,
+        b'{"header":{"status":{"code":"SNAPSHOT_RATE_LIMITED"}},'
+        b'"retry_after_ms":2500,"snapshot_required":true}',
+        0.0,
+    )
+    result = await client.post("r", b"{}", timeout_s=2)
+    assert result.retry_after_s == 2.5
+    assert result.response is not None and result.response.snapshot_required
+
+
+async def test_client_timeout_is_retry(client: KvcmClient) -> None:
+    SCRIPT["slow"] = (200, _ok(), 1.0)
+    result = await client.post("slow", b"{}", timeout_s=0.05)
+    assert (result.action, result.reason) == (Action.RETRY, "timeout")
+
+
+async def test_client_connection_refused_is_retry() -> None:
+    async with aiohttp.ClientSession() as session:
+        c = KvcmClient(session, "http://127.0.0.1:9", max_response_bytes=4096)
+        result = await c.post("x", b"{}", timeout_s=2)
+    assert (result.action, result.reason) == (Action.RETRY, "connect")
+
+
+@pytest.mark.parametrize("code", sorted(set(CODE_NAMES.values()) - {"OK"}))
+def test_every_kvcm_code_has_a_non_ok_action(code: str) -> None:
+    assert classify_code(code, "reportEvent") != Action.OK
+
+
+def test_instance_not_exist_depends_on_route() -> None:
+    assert classify_code("INSTANCE_NOT_EXIST", "registerInstance") == Action.CIRCUIT_OPEN
+    assert classify_code("INSTANCE_NOT_EXIST", "reportEvent") == Action.REREGISTER
+
+
+@given(
+    base=st.floats(0.01, 5),
+    cap=st.floats(0.01, 60),
+    retry_after=st.floats(0, 400),
+    attempts=st.integers(1, 40),
+    seed=st.integers(),
+)
+def test_backoff_capped_jittered_never_below_retry_after(
+    base: float, cap: float, retry_after: float, attempts: int, seed: int
+) -> None:
+    cap = max(cap, base)
+    b = Backoff(base, cap, retry_after_cap_s=300.0, rng=random.Random(seed))
+    for _ in range(attempts):
+        d = b.next_delay(retry_after)
+        assert d >= min(retry_after, 300.0)
+        assert d <= max(cap, min(retry_after, 300.0))
+    b.reset()
+    assert b.attempt == 0
