@@ -4,6 +4,7 @@ installs signal handlers, picks the event loop and calls sys.exit.
 Subcommands:
   run           run the sidecar for one dp_rank (exit 0 stopped, 2 bad config, 3 identity busy)
   check-config  print the effective configuration (secrets redacted) or the config error
+  demo          the whole system on this machine, with a fault and a consistency check
   kvcm-server   run the KVCM-compatible event-report server (stand-in manager)
 """
 
@@ -63,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
             ("--publisher-type", "publisher_type"),
         ):
             r.add_argument(flag, dest=path, default=None, help=f"same as --set {path}=...")
+    d = sub.add_parser("demo", help="run engines + sidecars + a KVCM-compatible server")
+    d.add_argument("--duration", type=float, default=20.0, help="seconds of workload")
+    d.add_argument("--ranks", type=int, default=2, help="dp ranks (engine + sidecar each)")
+    d.add_argument("--seed", type=int, default=1)
     s = sub.add_parser("kvcm-server", help="run the KVCM-compatible event-report server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--meta-port", type=int, default=6382, help="0 picks a free port")
@@ -175,6 +180,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(EXIT_CONFIG)
     import uvloop
 
+    if args.command == "demo":
+        from sidecar import demo
+
+        logging.basicConfig(level=logging.WARNING)
+        sys.exit(demo.run(args.duration, args.ranks, args.seed))
     if args.command == "kvcm-server":
         logs.setup()
         uvloop.run(run_kvcm_server(args))

@@ -125,6 +125,7 @@ class KvcmServer:
             app.router.add_post(f"/api/{name}", self._wrap(name, fn))
         app.router.add_get("/debug/reporters", self.debug_reporters)
         app.router.add_post("/debug/faults", self.debug_faults)
+        app.router.add_get("/debug/arrivals", self.debug_arrivals)
         app.cleanup_ctx.append(self._saver)
         return app
 
@@ -369,6 +370,17 @@ class KvcmServer:
             body=P.encode({"reporters": out, "requests": self.requests}),
             content_type="application/json",
         )
+
+    async def debug_arrivals(self, request: web.Request) -> web.Response:
+        """First arrival (server monotonic clock) of each key, per reporter host."""
+        host = request.query.get("host", "")
+        out = {
+            str(k): t
+            for r in self.state.reporters.values()
+            if r.host_ip_port == host
+            for k, t in r.arrivals.items()
+        }
+        return web.Response(body=P.encode(out), content_type="application/json")
 
     async def debug_faults(self, request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read())  # route names stay as written

@@ -189,6 +189,7 @@ class EventReport:
             for name, uri in specs.items():
                 loc[name] = stamp(uri, r.version)
             r.mediums.add(medium)
+            st.note_arrival(r, key, now)
         elif etype == DELETE:
             key, medium = _key_medium(payload)
             names = payload.get("spec_names") or []
@@ -262,6 +263,7 @@ class EventReport:
                     n: stamp(u, version) for n, u in specs.items()
                 }
                 r.mediums.add(medium)
+                st.note_arrival(r, key, st.clock())
             st.gc_reporter(r, keep_version=version)  # omitted blocks vanish at once
             r.version = version
             r.strict = True

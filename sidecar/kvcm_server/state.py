@@ -53,6 +53,7 @@ class Reporter:
     last_commit: float | None = None  # for the snapshot rate limit
     snapshot_busy: bool = False
     system_status: dict[str, str] = field(default_factory=dict)
+    arrivals: dict[int, list[float]] = field(default_factory=dict)
     heartbeat_times: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
     @property
@@ -282,6 +283,15 @@ class State:
         if any(v is None for v in versions):
             return False
         return not (r.strict and r.version not in versions)
+
+    def note_arrival(self, r: Reporter, key: int, now: float) -> None:
+        """When a key arrived from a reporter (for the demo's event->KVCM latency)."""
+        times = r.arrivals.get(key)
+        if times is None:
+            if len(r.arrivals) < 200_000:
+                r.arrivals[key] = [now]
+        elif len(times) < 16:
+            times.append(now)
 
     def snapshot_interval_left_ms(self, r: Reporter) -> int:
         if r.last_commit is None:
