@@ -1,8 +1,8 @@
 """Engine simulator for the demo: the reference block cache under a synthetic chat workload.
 
 Imports: stdlib, numpy, engine_hook. Run as `python -m engine_hook.simulator JSON`; it prints
-JSON lines on stdout: `ready`, periodic `stats`, and after "quiet" on stdin the final
-`published` set plus sampled (key, stored-at monotonic ns) pairs for latency measurement.
+JSON lines on stdout: `ready`; after "go" on stdin, periodic `stats`; after "quiet", the final
+`published` set plus sampled (key, stored-at, unpublished-at) for latency measurement.
 Requests share a few long system prompts (so prefixes repeat across requests) and the cache is
 smaller than the working set (so LRU evictions happen all the time).
 """
@@ -82,16 +82,21 @@ def main(args: dict[str, Any]) -> None:
     )
     rng = random.Random(args["seed"] * 1000 + args["dp_rank"])
     system = prompts(args["seed"])
+    go = threading.Event()
     quiet = threading.Event()
 
     def watch_stdin() -> None:
         for line in sys.stdin:
+            if line.strip() == "go":
+                go.set()
             if line.strip() == "quiet":
+                go.set()
                 quiet.set()
                 return
 
     threading.Thread(target=watch_stdin, daemon=True).start()
     _emit({"ready": True})
+    go.wait()  # the demo starts the workload once every sidecar is ready
     samples: list[tuple[int, int]] = []
     requests = 0
     next_stats = time.monotonic()

@@ -203,6 +203,11 @@ class Demo:
                 f"{rk.sidecar.p.pid if rk.sidecar else 0}, reporter {rk.host}"
             )
         async with aiohttp.ClientSession() as s:
+            for rk in self.ranks:
+                await self._await_ready(s, rk)
+            for rk in self.ranks:
+                assert rk.engine is not None
+                await rk.engine.send("go")
             await self._progress(s)
             for rk in self.ranks:
                 assert rk.engine is not None
@@ -218,6 +223,18 @@ class Demo:
                 await rk.engine.send("exit")
                 await rk.sidecar.stop()
         return 0 if all(ok.values()) else 1
+
+    async def _await_ready(self, s: aiohttp.ClientSession, rk: Rank) -> None:
+        """Bounded wait until the rank's sidecar answers /readyz 200 (registered, synced)."""
+        async with asyncio.timeout(30):
+            while True:
+                try:
+                    async with s.get(f"http://127.0.0.1:{rk.metrics_port}/readyz") as r:
+                        if r.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.05)  # polling another process, bounded by the timeout
 
     async def _progress(self, s: aiohttp.ClientSession) -> None:
         t0 = time.monotonic()
@@ -302,6 +319,8 @@ class Demo:
                 f"{rk.final['dropped']:>6} {resyncs:>7} {p50:>7.1f} {p99:>7.1f}  "
                 f"{'yes' if ok[rk.r] else 'NO'}"
             )
+        self.say("")
+        self.say("  (latency: engine step -> first arrival at KVCM; rank 0 includes the restart)")
         self.say("")
         self.say("  router view (getHostCacheState, prefix blocks per host):")
         for i, p in enumerate(prompts(self.seed)[: min(4, 2 * self.n)]):
