@@ -4,6 +4,7 @@ installs signal handlers, picks the event loop and calls sys.exit.
 Subcommands:
   run           run the sidecar for one dp_rank (exit 0 stopped, 2 bad config, 3 identity busy)
   check-config  print the effective configuration (secrets redacted) or the config error
+  status        summarise a running sidecar (or the ring, if it is down); exit 0 if healthy
   demo          the whole system on this machine, with a fault and a consistency check
   kvcm-server   run the KVCM-compatible event-report server (stand-in manager)
 """
@@ -64,6 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
             ("--publisher-type", "publisher_type"),
         ):
             r.add_argument(flag, dest=path, default=None, help=f"same as --set {path}=...")
+    st = sub.add_parser("status", help="summarise a sidecar's state (exit 0 healthy, 1 not)")
+    st.add_argument("--config", type=Path, default=None, help="TOML file")
+    st.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    st.add_argument("--url", default=None, help="status URL (default: from http.metrics_addr)")
+    st.add_argument("--json", action="store_true", help="print the JSON document")
+    for flag, path in (
+        ("--instance-id", "identity.instance_id"),
+        ("--dp-rank", "identity.dp_rank"),
+        ("--metrics-addr", "http.metrics_addr"),
+    ):
+        st.add_argument(flag, dest=path, default=None)
+    st.set_defaults(publisher_type=None)
     d = sub.add_parser("demo", help="run engines + sidecars + a KVCM-compatible server")
     d.add_argument("--duration", type=float, default=20.0, help="seconds of workload")
     d.add_argument("--ranks", type=int, default=2, help="dp ranks (engine + sidecar each)")
@@ -189,6 +202,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         logs.setup()
         uvloop.run(run_kvcm_server(args))
         sys.exit(EXIT_OK)
+    if args.command == "status":
+        from sidecar import status as status_cmd
+
+        sys.exit(status_cmd.main(args, os.environ))
     try:
         cfg = load_config(args)  # before any shm or socket is touched
     except ConfigError as exc:
