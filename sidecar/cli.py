@@ -2,7 +2,8 @@
 installs signal handlers, picks the event loop and calls sys.exit.
 
 Subcommands:
-  run           run the sidecar for one dp_rank (exit 0 stopped, 2 bad config, 3 identity busy)
+  run           run the sidecar for one dp_rank (exit 0 stopped, 1 crashed, 2 bad config,
+                3 identity busy, 4 incompatible or corrupt ring)
   check-config  print the effective configuration (secrets redacted) or the config error
   status        summarise a running sidecar (or the ring, if it is down); exit 0 if healthy
   demo          the whole system on this machine, with a fault and a consistency check
@@ -147,7 +148,7 @@ async def run_kvcm_server(args: argparse.Namespace) -> None:
         await runner.cleanup()
 
 
-EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_BUSY = 0, 1, 2, 3
+EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_BUSY, EXIT_RING = 0, 1, 2, 3, 4
 
 
 def load_config(args: argparse.Namespace) -> Config:
@@ -217,12 +218,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     logs.setup(cfg.log.level, cfg.log.format, cfg.log.repeat_interval_s)
     log.info("effective config %s", json.dumps(redacted(cfg), sort_keys=True))
     from sidecar.daemon import IdentityBusy
+    from sidecar.shm_ring.layout import LayoutError
 
     try:
         code = uvloop.run(run_sidecar(cfg))
     except IdentityBusy as exc:
         log.error("refusing to start: %s", exc)
         sys.exit(EXIT_BUSY)
+    except LayoutError as exc:
+        log.error("refusing the ring: %s", exc)
+        sys.exit(EXIT_RING)
     except Exception:  # the CLI top level: a crashed loop exits non-zero so it is restarted
         log.exception("sidecar crashed")
         sys.exit(EXIT_CRASH)

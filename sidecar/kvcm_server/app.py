@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -156,7 +157,8 @@ class KvcmServer:
                     )
                 if fault.get("body") is not None:
                     return web.Response(
-                        body=fault["body"].encode(), content_type="application/json"
+                        body=io.BytesIO(fault["body"].encode()),  # streamed: bodies may be large
+                        content_type="application/json",
                     )
             try:
                 raw = await request.read()

@@ -7,6 +7,7 @@ Oracle: KVCM's visible keys for the reporter == the engine's published set.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import signal
@@ -157,7 +158,9 @@ class Harness:
 
     async def faults(self, **body: Any) -> None:
         assert self.session is not None
-        async with self.session.post(f"http://127.0.0.1:{self.port}/debug/faults", json=body) as r:
+        data = io.BytesIO(json.dumps(body).encode())  # streamed: fault bodies may be large
+        url = f"http://127.0.0.1:{self.port}/debug/faults"
+        async with self.session.post(url, data=data) as r:
             assert r.status == 200
 
     # ---- engine -----------------------------------------------------------------------------

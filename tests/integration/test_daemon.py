@@ -6,6 +6,7 @@ set (which also means nothing the engine removed is visible).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -222,3 +223,87 @@ async def test_daemon_second_sidecar_for_same_identity_refused(h: Harness) -> No
         )
     finally:
         second.close()
+
+
+# ---- the rest of the end-to-end fault matrix ----------------------------------------------
+async def test_daemon_refuses_corrupt_ring_engine_unaffected(h: Harness) -> None:
+    from sidecar.shm_ring import layout as L
+    from sidecar.shm_ring.segment import Segment
+
+    h.start_engine()
+    h.engine_cmd(op="work", n=20)
+    seg = Segment(h.ring)
+    seg.hdr[L.W_VERSION_SLOT] = (L.LAYOUT_VERSION + 1) | (L.SLOT_SIZE << 32)
+    try:
+        from tests.integration.harness import SidecarProc
+
+        side = SidecarProc(h.sidecar_env(), h.settings)
+        assert side.p.wait(timeout=20) == 4
+        assert any("upgrade the sidecar" in line for line in side.log)
+        side.close()
+        seg.hdr[L.W_VERSION_SLOT] = 0  # now garbage: bad version and slot size
+        seg.hdr[L.W_MAGIC] = 0xDEAD
+        out = h.engine_cmd(op="work", n=50)  # the engine keeps serving, never raises
+        assert out["published"]
+    finally:
+        seg.close()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "{not json",
+        '{"header":' + '{"a":' * 80 + "1" + "}" * 81,
+        '{"header":{"status":{"code":"OK"}},"extra_info":"' + "x" * (2 << 20) + '"}',
+    ],
+    ids=["malformed", "deep", "oversized"],
+)
+async def test_daemon_kvcm_bad_bodies_retry_and_converge(h: Harness, body: str) -> None:
+    h.start_engine()
+    h.start_sidecar()
+    h.engine_cmd(op="work", n=50)
+    await h.converge()
+    await h.faults(routes={"reportEvent": {"body": body, "count": 4}})
+    h.engine_cmd(op="work", n=100)
+    await h.converge()
+    m = await h.metrics()
+    assert _metric(m, "kvcm_sidecar_requests_total", 'outcome="retry"') >= 1
+
+
+async def test_daemon_kvcm_unreachable_at_start_then_converges(h: Harness) -> None:
+    await h.stop_server()  # the port is known and now closed
+    h.start_engine()
+    side = h.start_sidecar()
+    h.engine_cmd(op="work", n=100)
+    side.wait_line("register failed")
+    await h.start_server()  # same port
+    await h.converge()
+
+
+async def test_daemon_engine_restart_while_kvcm_down_converges(h: Harness) -> None:
+    h.start_engine()
+    h.start_sidecar()
+    h.engine_cmd(op="work", n=100)
+    await h.converge()
+    await h.stop_server()
+    assert h.engine is not None
+    h.engine.kill()
+    h.start_engine()  # new incarnation while KVCM is unreachable
+    h.engine_cmd(op="work", n=100)
+    await h.start_server()
+    await h.converge()
+
+
+async def test_daemon_sigterm_during_snapshot_exits_0_and_hides_keys(h: Harness) -> None:
+    h.start_engine()
+    side = h.start_sidecar()
+    h.engine_cmd(op="work", n=100)
+    await h.converge()
+    await h.restart_server()  # the reporter is new to KVCM: the sidecar resnapshots ...
+    await h.faults(commit_delay_ms=3000)  # ... and that snapshot now stalls
+    async with asyncio.timeout(10):
+        await h.server.report.snapshot_started.wait()
+    side.terminate()
+    assert side.p.wait(timeout=10) == 0
+    r = await h.reporter_until(lambda r: r["liveness"] == "tombstoned")
+    assert r["visible_keys"] == []
