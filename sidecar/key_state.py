@@ -9,14 +9,12 @@ are idempotent and per-key coalescing (last state wins) comes for free.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 import numpy as np
 
 from sidecar.shm_ring.layout import KIND_CLEARED, KIND_REMOVED, KIND_STORED
-
-_SIGN = 1 << 63
-_WRAP = 1 << 64
 
 
 class KeyState:
@@ -41,35 +39,56 @@ class KeyState:
         """Fold ring records ((n, 4) uint64 rows: seq, key, meta, parent) into `current`."""
         if not len(records):
             return
+        kinds = (records[:, 2] & 0xFF).astype(np.uint8)
+        clears = np.flatnonzero(kinds == KIND_CLEARED)
+        start = 0
+        for c in clears.tolist():  # a clear splits the batch: before it, then nothing survives
+            self._apply_segment(records[start:c], kinds[start:c])
+            self._clear()
+            start = c + 1
+        self._apply_segment(records[start:], kinds[start:])
+
+    def _apply_segment(self, records: np.ndarray, kinds: np.ndarray) -> None:
+        """Vectorised fold: last op per (key, group) wins, then one dict pass per distinct key."""
+        n = len(records)
+        if not n:
+            return
+        keys = records[:, 1].view(np.int64)
+        groups = ((records[:, 2] >> np.uint64(8)) & np.uint64(0xFF)).astype(np.int64)
+        # Last occurrence of each (key, group): stable sort by (key, group), keep the last.
+        order = np.lexsort((np.arange(n), groups, keys))
+        k_s, g_s, kind_s = keys[order], groups[order], kinds[order]
+        last = np.ones(n, np.bool_)
+        last[:-1] = (k_s[1:] != k_s[:-1]) | (g_s[1:] != g_s[:-1])
+        k_s, g_s, kind_s = k_s[last], g_s[last], kind_s[last]
+        bits = np.left_shift(np.int64(1), g_s)
+        setb = np.where(kind_s == KIND_STORED, bits, 0)
+        clrb = np.where(kind_s == KIND_REMOVED, bits, 0)
+        first = np.ones(len(k_s), np.bool_)
+        first[1:] = k_s[1:] != k_s[:-1]
+        idx = np.flatnonzero(first)
+        ukeys = k_s[idx]
+        set_m = np.bitwise_or.reduceat(setb, idx)
+        clr_m = np.bitwise_or.reduceat(clrb, idx)
         cur = self.current
-        get = cur.get
+        ukeys_l = ukeys.tolist()
+        old = np.fromiter(map(cur.get, ukeys_l, itertools.repeat(0)), np.int64, len(ukeys_l))
+        new = (old & ~clr_m) | set_m
+        changed = np.flatnonzero(new != old)
+        if not len(changed):
+            return
         req = self.required
-        dirty = self.dirty
-        npub = self.published_count
-        for key, meta in records[:, 1:3].tolist():
-            if key >= _SIGN:
-                key -= _WRAP
-            kind = meta & 0xFF
-            if kind == KIND_CLEARED:
-                self.published_count = npub
-                self._clear()
-                npub = 0
-                continue
-            old = get(key, 0)
-            bit = 1 << ((meta >> 8) & 0xFF)
-            new = old | bit if kind == KIND_STORED else old & ~bit if kind == KIND_REMOVED else old
-            if new == old:
-                continue  # repeated stores and unknown kinds change nothing
-            if new:
-                cur[key] = new
-            else:
-                del cur[key]
-            was = old & req == req
-            now = new & req == req
-            if was != now:
-                npub += 1 if now else -1
-                dirty[key] = None
-        self.published_count = npub
+        was = (old[changed] & req) == req
+        now = (new[changed] & req) == req
+        ck = ukeys[changed]
+        cn = new[changed]
+        keep = cn != 0
+        cur.update(zip(ck[keep].tolist(), cn[keep].tolist(), strict=True))
+        for k in ck[~keep].tolist():
+            del cur[k]
+        flips = was != now
+        self.dirty.update(dict.fromkeys(ck[flips].tolist()))
+        self.published_count += int(now.sum()) - int(was.sum())
 
     def _clear(self) -> None:
         req = self.required

@@ -324,9 +324,16 @@ class Publisher:
         assert d is not None
         self.set_state(State.RESYNCING, "sending the authoritative snapshot")
         keys = self.keys.published_keys()
-        spec = self._spec()
-        blocks = [W.SnapshotBlock(str(k), d.medium, [spec]) for k in keys]
-        payload = self._envelope("snapshot", [W.ev_snapshot(blocks)])
+        i = self.cfg.identity
+        payload = W.encode_snapshot(
+            self.trace_id("snapshot"),
+            i.instance_id,
+            self.host_ip_port,
+            i.storage_type,
+            keys,
+            d.medium,
+            self._spec(),
+        )
         self.counters["snapshot_keys"] += len(keys)
         result = await self._send(
             "reportEvent", "snapshot", payload, self.cfg.manager.snapshot_timeout_s
@@ -355,19 +362,27 @@ class Publisher:
     async def send_deltas(self) -> None:
         d = self.descriptor
         assert d is not None
-        batch = self.keys.take_batch(self.cfg.report.batch_max_keys)
-        if not batch:
+        taken = self.keys.take_batch(self.cfg.report.batch_max_keys)
+        if not taken:
             return
-        spec = self._spec()
-        events = [
-            W.ev_add(k, d.medium, spec) if pub else W.ev_delete(k, d.medium, spec.name)
-            for k, pub in batch
-        ]
+        adds = [k for k, pub in taken if pub]
+        deletes = [k for k, pub in taken if not pub]
+        # Adds first, then deletes (each key once, so order between keys is free); `batch`
+        # keeps that order so item_results indexes map back to keys.
+        batch = [(k, True) for k in adds] + [(k, False) for k in deletes]
+        i = self.cfg.identity
+        payload = W.encode_deltas(
+            self.trace_id("delta"),
+            i.instance_id,
+            self.host_ip_port,
+            i.storage_type,
+            adds,
+            deletes,
+            d.medium,
+            self._spec(),
+        )
         result = await self._send(
-            "reportEvent",
-            "delta",
-            self._envelope("delta", events),
-            self.cfg.manager.request_timeout_s,
+            "reportEvent", "delta", payload, self.cfg.manager.request_timeout_s
         )
         if result.ok:
             self._ok(result)
