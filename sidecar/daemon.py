@@ -151,6 +151,7 @@ class Daemon:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             client = KvcmClient(session, cfg.manager.endpoint, cfg.manager.max_response_bytes)
             p = Publisher(cfg, client, sync, clock=self.clock, on_request=self.metrics.observe)
+            p.on_reregister = self.work.set
             self.publisher = p
             self.metrics.attach(p)
             runner = await self._start_http()
@@ -195,7 +196,7 @@ class Daemon:
                 continue
             self.work.clear()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(0.05):  # also re-checks backoff and circuit timers
+                async with asyncio.timeout(p.next_wakeup_s()):  # backoff/circuit/periodic timers
                     await self.work.wait()
 
     async def _heartbeat_loop(self, p: Publisher) -> None:
@@ -208,8 +209,9 @@ class Daemon:
 
     async def _watch_loop(self, p: Publisher) -> None:
         while True:
+            was_down = p.engine_down
             p.watch_step()
-            if p.host_down_pending or not p.engine_down:
+            if p.host_down_pending or was_down != p.engine_down:
                 self.work.set()
             await self.sleep(self.cfg.engine.watch_interval_s)
 

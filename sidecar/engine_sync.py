@@ -70,8 +70,12 @@ class EngineSync:
         self._buffer = []
         self.status = Sync.WAITING
 
-    def step(self, max_records: int = 1 << 20) -> StepResult:
+    def step(self, max_records: int = 1 << 20, *, full: bool = True) -> StepResult:
+        """Drain once. `full=False` returns at once when the ring is idle (no records, no drops)
+        and no snapshot is awaited; a full step also re-reads the producer incarnation."""
         out = StepResult()
+        if not full and self.status is Sync.SYNCED and self.reader.idle():
+            return out
         res = self.reader.read(max_records)
         if res.incarnation is None:
             return out

@@ -133,12 +133,19 @@ class KeyState:
         out: list[tuple[int, bool]] = []
         dirty = self.dirty
         acked = self.acked
+        cur = self.current
+        req = self.required
         while dirty and len(out) < limit:
-            key = next(iter(dirty))
-            del dirty[key]
-            pub = self.is_published(key)
-            if pub != (key in acked):  # never re-send an unchanged key
-                out.append((key, pub))
+            # One slice per batch: popping keys one by one from the front of a dict rescans
+            # the deleted slots every time (quadratic on a large backlog).
+            chunk = list(itertools.islice(dirty, limit - len(out)))
+            for key in chunk:
+                del dirty[key]
+                pub = cur.get(key, 0) & req == req
+                if pub != (key in acked):  # never re-send an unchanged key
+                    out.append((key, pub))
+        if not dirty:
+            self.dirty = {}  # a fresh dict drops the deleted slots the loop left behind
         return out
 
     def confirm(self, sent: list[tuple[int, bool]], failed: Iterable[int] = ()) -> None:

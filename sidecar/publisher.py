@@ -81,6 +81,7 @@ class Publisher:
         self.keys: KeyState = sync.keys
         self.clock = clock
         self.on_request = on_request
+        self.on_reregister: Callable[[], None] | None = None  # wakes the data loop
         self.epoch = secrets.randbits(32)
         self.host_ip_port = cfg.host_ip_port()
         self.state = State.STARTING
@@ -255,6 +256,20 @@ class Publisher:
             self.dead_boot_id = inc.boot_id
             self.host_down_pending = self.registered
             self.set_state(State.ENGINE_DOWN, f"engine {why}")
+
+    def next_wakeup_s(self) -> float:
+        """How long the data loop may sleep when there is no new work: until the next timer."""
+        now = self.clock()
+        timers = [
+            self.retry_at,
+            self.circuit_retry_at if self.state == State.CIRCUIT_OPEN else 0.0,
+            self.snapshot_not_before if self.need_snapshot else 0.0,
+            self.last_snapshot_at + self.cfg.report.periodic_snapshot_s,
+        ]
+        due = [t - now for t in timers if t > now]
+        # New work (ring records, engine events, heartbeat-driven re-registration) sets the
+        # work event; 1 s bounds any missed edge.
+        return min([1.0, *due])
 
     # ---- data path -------------------------------------------------------------------------
     async def data_step(self) -> bool:
@@ -431,11 +446,15 @@ class Publisher:
             self.heartbeat_failures = 0
             if result.response is not None and result.response.snapshot_required:
                 self.need_snapshot = True  # KVCM restarted and lost our generation
+                if self.on_reregister is not None:
+                    self.on_reregister()
             return
         self.heartbeat_failures += 1
         if result.action == Action.REREGISTER:
             self.registered = False  # the data loop re-registers and resnapshots
             self.need_snapshot = True
+            if self.on_reregister is not None:
+                self.on_reregister()
             if result.reason == "NODE_NOT_REGISTERED":
                 self.keys.forget_acked()
         log.warning(

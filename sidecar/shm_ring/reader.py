@@ -97,6 +97,11 @@ class RingReader:
         lag = int(self.seg.hdr[L.W_TAIL]) - self.head
         return lag if 0 <= lag <= self.capacity else 0
 
+    def idle(self) -> bool:
+        """True when nothing new was published and nothing was dropped (two 8-byte loads)."""
+        h = self.seg.hdr
+        return int(h[L.W_TAIL]) == self.head and int(h[L.W_DROPPED]) == self.dropped_seen
+
     def read(self, max_records: int = 1 << 20) -> ReadResult:
         h = self.seg.hdr
         tail = int(h[L.W_TAIL])  # before the incarnation: see the module invariant

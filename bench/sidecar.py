@@ -1,0 +1,363 @@
+"""How fast is the sidecar, and what does it cost? One run; writes bench/results/sidecar.json.
+
+ingest     ring -> key state, events/s at a fixed offered rate, and the drops (must be 0)
+reporting  key changes/s from the ring to bytes on the wire (ring read, key state, batches,
+           encode, HTTP) against a null HTTP server and against the KVCM-compatible server
+latency    engine stored() -> first arrival at KVCM, p50/p99 at 10k and 100k events/s,
+           through the real daemon (`kvcm-sidecar run`)
+snapshot   building and sending one 1,000,000-key snapshot (null server)
+resources  the daemon's idle CPU over --idle-seconds, and RSS empty and with 1 M keys
+
+  python -m bench.sidecar [--idle-seconds 60] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+
+from sidecar.key_state import KeyState
+from sidecar.kvcm_client import wire as W
+from sidecar.kvcm_client.client import KvcmClient
+from sidecar.shm_ring.reader import RingReader
+from sidecar.shm_ring.segment import Segment, unlink
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SPEC = W.Spec("full", "event_report://127.0.0.1:8000/hbm?size=4096")
+PY = sys.executable
+
+
+class Child:
+    def __init__(self, *argv: str, env: dict[str, str] | None = None) -> None:
+        self.p = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+
+    def line(self) -> dict[str, Any]:
+        assert self.p.stdout is not None
+        while True:
+            raw = self.p.stdout.readline()
+            if not raw:
+                raise EOFError("child exited")
+            try:
+                out: dict[str, Any] = json.loads(raw)
+                return out
+            except ValueError:
+                continue
+
+    def send(self, text: str = "go") -> None:
+        assert self.p.stdin is not None
+        self.p.stdin.write(text + "\n")
+        self.p.stdin.flush()
+
+    def stop(self) -> None:
+        if self.p.stdin:
+            self.p.stdin.close()
+        self.p.terminate()
+        self.p.wait(timeout=20)
+
+
+def ingest(rate: float, seconds: float) -> dict[str, float]:
+    name = f"/kvcm-bench-ingest-{os.getpid()}"
+    unlink(name)
+    cap = 1 << 20
+    reader = RingReader(Segment(name, cap))
+    prod = Child(
+        PY,
+        "-m",
+        "bench.producer",
+        "raw",
+        json.dumps(
+            {"ring": name, "capacity": cap, "rate": rate, "seconds": seconds, "batch": 4096}
+        ),
+    )
+    prod.line()
+    keys = KeyState((0,))
+    prod.send()
+    n = 0
+    t_first = t_last = 0.0
+    while prod.p.poll() is None or reader.lag():
+        recs = reader.read().records
+        if len(recs):
+            t_last = time.perf_counter()
+            t_first = t_first or t_last
+            keys.apply(recs)
+            n += len(recs)
+        else:
+            time.sleep(0.001)  # the daemon's busy poll interval
+        if prod.p.poll() is not None and not reader.lag():
+            break
+    done = prod.line()
+    prod.stop()
+    reader.close()
+    unlink(name)
+    return {
+        "ingest_offered_events_per_s": rate,
+        "ingest_applied_events": n,
+        "ingest_events_per_s": n / max(t_last - t_first, 1e-9),
+        "ingest_dropped": done["dropped"],
+    }
+
+
+async def _null_server() -> tuple[web.AppRunner, str]:
+    ok = W.encode({"header": {"status": {"code": "OK", "message": ""}}, "retry_after_ms": "0"})
+
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=ok, content_type="application/json")
+
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_post("/api/{route}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+def _kvcm_server(extra: tuple[str, ...] = ()) -> tuple[Child, str]:
+    c = Child(PY, "-m", "sidecar.cli", "kvcm-server", "--meta-port", "0", "--bootstrap", *extra)
+    assert c.p.stdout is not None
+    while True:
+        line = c.p.stdout.readline()
+        if "listening on" in line:
+            return c, line.rsplit(" ", 1)[1].strip()
+
+
+async def reporting(base: str, n_keys: int, batch: int) -> float:
+    """Ring records -> key state -> batches -> encode -> HTTP, until all keys are confirmed."""
+    name = f"/kvcm-bench-report-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+    seg = Segment(name, 1 << 21)
+    from sidecar.shm_ring import layout as L
+    from sidecar.shm_ring.writer import RingWriter
+
+    writer = RingWriter(Segment(name))
+    writer.write(np.arange(1, n_keys + 1, dtype=np.int64), L.pack_meta(L.KIND_STORED, 0))
+    reader = RingReader(seg)
+    async with aiohttp.ClientSession() as s:
+        client = KvcmClient(s, base, 1 << 20)
+        reg = {
+            "instance_group": "default",
+            "instance_id": "bench",
+            "block_size": 16,
+            "location_spec_infos": [{"name": "full", "size": 4096}],
+            "model_deployment": {"model_name": "m", "dtype": "fp16"},
+        }
+        await client.post("registerInstance", W.encode(reg), 10)
+        keys = KeyState((0,))
+        t0 = time.perf_counter()
+        keys.apply(reader.read().records)
+        while keys.dirty:
+            taken = keys.take_batch(batch)
+            adds = [k for k, p in taken if p]
+            body = W.encode_deltas(
+                "t", "bench", "127.0.0.1:8000", "ST_EVENT_REPORT_L1P5", adds, [], "hbm", SPEC
+            )
+            r = await client.post("reportEvent", body, 30)
+            assert r.ok, r.reason
+            keys.confirm(taken)
+        dt = time.perf_counter() - t0
+    reader.close()
+    unlink(name)
+    return n_keys / dt
+
+
+async def snapshot_1m(base: str) -> dict[str, float]:
+    keys = list(range(1, 1_000_001))
+    t0 = time.perf_counter()
+    body = W.encode_snapshot(
+        "t", "bench", "127.0.0.1:8000", "ST_EVENT_REPORT_L1P5", keys, "hbm", SPEC
+    )
+    t1 = time.perf_counter()
+    async with aiohttp.ClientSession() as s:
+        r = await KvcmClient(s, base, 1 << 20).post("reportEvent", body, 120)
+    t2 = time.perf_counter()
+    assert r.ok
+    return {
+        "snapshot_1m_encode_s": t1 - t0,
+        "snapshot_1m_send_s": t2 - t1,
+        "snapshot_1m_bytes": float(len(body)),
+    }
+
+
+def _sidecar(base: str, ring: str, instance: str, port: int) -> Child:
+    env = {
+        **os.environ,
+        "KV_CACHE_EVENT_MANAGER_ENDPOINT": base,
+        "KV_CACHE_EVENT_INSTANCE_ID": instance,
+        "KV_CACHE_EVENT_HOST_IP_PORT": f"127.0.0.1:{port}",
+        "KV_CACHE_EVENT_RING_NAME": ring,
+        "KV_CACHE_EVENT_METRICS_ADDR": "127.0.0.1:0",
+        "KV_CACHE_EVENT_LOG_FORMAT": "json",
+    }
+    return Child(PY, "-m", "sidecar.cli", "run", env=env)
+
+
+def _wait_log(c: Child, needle: str) -> dict[str, Any]:
+    while True:
+        line = c.line()
+        if needle in str(line.get("msg", "")):
+            return line
+
+
+async def _arrivals(base: str, host: str) -> dict[str, list[float]]:
+    async with aiohttp.ClientSession() as s, s.get(f"{base}/debug/arrivals?host={host}") as r:
+        out: dict[str, list[float]] = await r.json()
+        return out
+
+
+def latency(base: str, rate: float, seconds: float) -> dict[str, float]:
+    ring = f"/kvcm-bench-lat-{os.getpid()}-{int(rate)}"
+    unlink(ring)
+    inst = f"bench-lat-{int(rate)}"
+    host = f"127.0.0.1:{9000 + int(rate) % 1000}"
+    prod = Child(
+        PY,
+        "-m",
+        "bench.producer",
+        "hook",
+        json.dumps({"ring": ring, "instance_id": inst, "rate": rate, "seconds": seconds}),
+    )
+    prod.line()
+    side = _sidecar(base, ring, inst, int(host.rsplit(":", 1)[1]))
+    _wait_log(side, "snapshot committed")
+    prod.send()
+    out = prod.line()
+    time.sleep(1.0)  # let the last batch land before reading KVCM's arrival log
+    arr = asyncio.run(_arrivals(base, host))
+    lat = sorted(
+        (min(a for a in arr[k] if a * 1e9 >= t) - t / 1e9) * 1e3
+        for k, t in out["samples"]
+        if k in arr and any(a * 1e9 >= t for a in arr[k])
+    )
+    side.p.terminate()
+    side.p.wait(timeout=20)
+    prod.stop()
+    unlink(ring)
+    tag = f"{int(rate / 1000)}k"
+    return {
+        f"latency_{tag}_p50_ms": float(np.percentile(lat, 50)),
+        f"latency_{tag}_p99_ms": float(np.percentile(lat, 99)),
+        f"latency_{tag}_samples": float(len(lat)),
+        f"latency_{tag}_dropped": out["dropped"],
+    }
+
+
+def _proc_stats(pid: int) -> tuple[float, float]:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    with open(f"/proc/{pid}/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+    return cpu, rss
+
+
+def resources(base: str, idle_s: float, n_keys: int) -> dict[str, float]:
+    ring = f"/kvcm-bench-res-{os.getpid()}"
+    unlink(ring)
+    inst = "bench-res"
+    prod = Child(
+        PY,
+        "-m",
+        "bench.producer",
+        "fill",
+        json.dumps({"ring": ring, "instance_id": inst, "keys": 1, "capacity": 1 << 16}),
+    )
+    prod.line()
+    side = _sidecar(base, ring, inst, 9500)
+    _wait_log(side, "snapshot committed")
+    time.sleep(2.0)  # settle: imports done, first heartbeats sent
+    c0, rss_idle = _proc_stats(side.p.pid)
+    time.sleep(idle_s)  # the measurement window itself
+    c1, _ = _proc_stats(side.p.pid)
+    side.p.terminate()
+    side.p.wait(timeout=20)
+    prod.stop()
+    unlink(ring)
+    # RSS with n_keys published: a fresh engine fills its cache, the sidecar resyncs.
+    prod = Child(
+        PY,
+        "-m",
+        "bench.producer",
+        "fill",
+        json.dumps({"ring": ring, "instance_id": inst + "2", "keys": n_keys, "capacity": 1 << 21}),
+    )
+    prod.line()
+    side = _sidecar(base, ring, inst + "2", 9501)
+    _wait_log(side, "snapshot committed")
+    time.sleep(1.0)
+    _, rss_full = _proc_stats(side.p.pid)
+    side.p.terminate()
+    side.p.wait(timeout=30)
+    prod.stop()
+    unlink(ring)
+    return {
+        "idle_cpu_fraction_of_core": (c1 - c0) / idle_s,
+        "idle_seconds": idle_s,
+        "rss_idle_bytes": rss_idle,
+        "rss_with_keys_bytes": rss_full,
+        "rss_keys": float(n_keys),
+        "rss_bytes_per_key": (rss_full - rss_idle) / n_keys,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--idle-seconds", type=float, default=60.0)
+    ap.add_argument("--quick", action="store_true", help="smaller runs (for a smoke check)")
+    a = ap.parse_args()
+    q = a.quick
+    res: dict[str, Any] = {}
+    res.update(ingest(2_000_000, 1.0 if q else 3.0))
+
+    async def http_part() -> None:
+        runner, null = await _null_server()
+        try:
+            res["report_null_keys_per_s"] = await reporting(null, 50_000 if q else 300_000, 1000)
+            res["report_null_keys_per_s_batch5000"] = await reporting(
+                null, 50_000 if q else 300_000, 5000
+            )
+            res.update(await snapshot_1m(null))
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(http_part())
+    kvcm, base = _kvcm_server(("--snapshot-min-interval-ms", "0"))
+    try:
+        res["report_kvcm_keys_per_s"] = asyncio.run(reporting(base, 20_000 if q else 100_000, 1000))
+        res.update(latency(base, 10_000, 2 if q else 5))
+        res.update(latency(base, 100_000, 2 if q else 5))
+        res.update(resources(base, 5 if q else a.idle_seconds, 100_000 if q else 1_000_000))
+    finally:
+        kvcm.stop()
+    res["goals"] = {
+        "ingest >= 2M events/s, zero drops": res["ingest_events_per_s"] >= 2e6
+        and res["ingest_dropped"] == 0,
+        "reporting >= 1M key-changes/s to the null server": res["report_null_keys_per_s"] >= 1e6,
+        "p99 <= flush window + 5 ms at 100k events/s": res["latency_100k_p99_ms"] <= 25,
+        "1M-key snapshot encode <= 0.5 s": res["snapshot_1m_encode_s"] <= 0.5,
+        "idle CPU <= 1% of a core": res["idle_cpu_fraction_of_core"] <= 0.01,
+        "RSS <= 80 MB + 100 B/key": res["rss_with_keys_bytes"] <= 80e6 + 100 * res["rss_keys"],
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "sidecar.json").write_text(json.dumps(res, indent=2) + "\n")
+    for k, v in res.items():
+        if k != "goals":
+            print(f"{k:45s} {v:16.3f}")
+    for g, ok in res["goals"].items():
+        print(f"goal {'MET ' if ok else 'MISS'} {g}")
+
+
+if __name__ == "__main__":
+    main()
