@@ -175,13 +175,26 @@ class Daemon:
         raise _Stop
 
     async def _drain_loop(self, sync: EngineSync) -> None:
+        # Idle polls cost two 8-byte loads; a full step (which also notices a new engine
+        # incarnation that has not written yet) runs at least every engine watch interval.
+        # The poll period doubles while the ring stays empty, up to idle_poll_interval_s, and
+        # drops back to poll_interval_s on the first record: each wake-up of the event loop
+        # costs far more than the poll itself, so an idle sidecar must not spin.
+        busy = self.cfg.ring.poll_interval_s
+        idle = max(self.cfg.ring.idle_poll_interval_s, busy)
+        full_every = self.cfg.engine.watch_interval_s
+        last_full = 0.0
+        delay = busy
         while True:
-            r = sync.step()
+            now = self.clock()
+            full = now - last_full >= full_every
+            if full:
+                last_full = now
+            r = sync.step(full=full)
             if r.records or r.resynced:
                 self.work.set()
-            await self.sleep(
-                self.cfg.ring.poll_interval_s if r.records else self.cfg.ring.idle_poll_interval_s
-            )
+            delay = busy if r.records else min(delay * 2, idle)
+            await self.sleep(delay)
 
     async def _report_loop(self, p: Publisher) -> None:
         window = self.cfg.report.flush_window_s
