@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -97,31 +95,13 @@ async def run(base: str) -> dict[str, float]:
 
 
 def main() -> None:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "sidecar.cli",
-            "kvcm-server",
-            "--meta-port",
-            "0",
-            "--bootstrap",
-            "--snapshot-min-interval-ms",
-            "0",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    from bench.sidecar import _kvcm_server
+
+    server, base = _kvcm_server(("--snapshot-min-interval-ms", "0"))
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        while "listening on" not in line:
-            line = proc.stdout.readline()
-        base = line.rsplit(" ", 1)[1].strip()
         result = asyncio.run(run(base))
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        server.stop()
     result["goal_200k_events_per_s_met"] = float(result["events_per_s_in_20k_request"] >= 200_000)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "kvcm_server.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -295,7 +295,9 @@ def resources(base: str, idle_s: float, n_keys: int) -> dict[str, float]:
     )
     prod.line()
     side = _sidecar(base, ring, inst + "2", 9501)
-    _wait_log(side, "snapshot committed")
+    # The sidecar holds every key once the engine resync is done (KVCM may still be busy with,
+    # or refuse, the ~116 MB snapshot: the stand-in's default body limit is 64 MiB).
+    _wait_log(side, f"published={n_keys}")
     time.sleep(1.0)
     _, rss_full = _proc_stats(side.p.pid)
     side.p.terminate()

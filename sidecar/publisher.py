@@ -350,6 +350,7 @@ class Publisher:
             self._spec(),
         )
         self.counters["snapshot_keys"] += len(keys)
+        self.counters["snapshot_bytes"] += len(payload)
         result = await self._send(
             "reportEvent", "snapshot", payload, self.cfg.manager.snapshot_timeout_s
         )

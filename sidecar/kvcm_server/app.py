@@ -246,13 +246,27 @@ class KvcmServer:
             if self.state.visible(loc[0], loc[2], iid, specs)
         }
 
-    async def get_cache_location(self, req: dict[str, Any]) -> dict[str, Any]:
-        inst = self._instance(req)
+    @staticmethod
+    def _query_type(
+        req: dict[str, Any],
+        inst: dict[str, Any],
+        fallback: str,
+        allowed: tuple[str, ...],
+        code: str,
+    ) -> str:
+        """The request's query type; QT_UNSPECIFIED means the instance's default_query_type."""
         qt = P.enum_name(req.get("query_type", 0), P.QUERY_TYPES) or "QT_UNSPECIFIED"
         if qt == "QT_UNSPECIFIED":
-            qt = inst.get("default_query_type") or "QT_BATCH_GET"
-        if qt not in ("QT_BATCH_GET", "QT_PREFIX_MATCH", "QT_UNSPECIFIED"):
-            raise ApiError("UNSUPPORTED", f"query_type {qt} is not supported by this stand-in")
+            qt = inst.get("default_query_type") or fallback
+        if qt not in (*allowed, "QT_UNSPECIFIED"):
+            raise ApiError(code, f"query_type {qt} is not supported here")
+        return qt
+
+    async def get_cache_location(self, req: dict[str, Any]) -> dict[str, Any]:
+        inst = self._instance(req)
+        qt = self._query_type(
+            req, inst, "QT_BATCH_GET", ("QT_BATCH_GET", "QT_PREFIX_MATCH"), "UNSUPPORTED"
+        )
         names = set(req.get("location_spec_names") or [])
         rows = []
         for key in self._query_keys(req, inst, "block_keys"):
@@ -290,11 +304,13 @@ class KvcmServer:
 
     async def get_host_cache_state(self, req: dict[str, Any]) -> dict[str, Any]:
         inst = self._instance(req)
-        qt = P.enum_name(req.get("query_type", 0), P.QUERY_TYPES) or "QT_UNSPECIFIED"
-        if qt == "QT_UNSPECIFIED":
-            qt = inst.get("default_query_type") or "QT_PREFIX_MATCH"
-        if qt not in ("QT_PREFIX_MATCH", "QT_PREFIX_MATCH_WITH_MAMBA", "QT_UNSPECIFIED"):
-            raise ApiError("INVALID_ARGUMENT", f"query_type {qt} is not a prefix query")
+        self._query_type(
+            req,
+            inst,
+            "QT_PREFIX_MATCH",
+            ("QT_PREFIX_MATCH", "QT_PREFIX_MATCH_WITH_MAMBA"),
+            "INVALID_ARGUMENT",
+        )
         mediums = set(req.get("medium") or [])
         keys = self._query_keys(req, inst, "block_cache_keys")
         per_key = []

@@ -43,6 +43,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "kvcm_sidecar_heartbeat_age_seconds": ("gauge", "Seconds since the last good heartbeat."),
     "kvcm_sidecar_snapshots_committed": ("counter", "Authoritative snapshots KVCM committed."),
     "kvcm_sidecar_snapshot_keys": ("counter", "Keys sent in snapshots."),
+    "kvcm_sidecar_snapshot_bytes": ("counter", "Request bytes sent in snapshots."),
     "kvcm_sidecar_snapshot_rate_limited": ("counter", "Snapshots answered SNAPSHOT_RATE_LIMITED."),
     "kvcm_sidecar_snapshot_last_success_timestamp_seconds": (
         "gauge",
@@ -50,6 +51,10 @@ METRICS: dict[str, tuple[str, str]] = {
     ),
     "kvcm_sidecar_delta_keys": ("counter", "Key changes KVCM confirmed through deltas."),
     "kvcm_sidecar_engine_up": ("gauge", "1 while the engine is attached and alive."),
+    "kvcm_sidecar_engine_incarnation_changes": (
+        "counter",
+        "New engine incarnations seen on the ring (engine restarts).",
+    ),
     "kvcm_sidecar_engine_anomalies": ("counter", "Ring records rejected as torn or foreign."),
 }
 
@@ -162,6 +167,7 @@ class _PublisherCollector(Collector):
         yield gauge("kvcm_sidecar_heartbeat_age_seconds", age)
         yield counter("kvcm_sidecar_snapshots_committed", p.counters["snapshots_committed"])
         yield counter("kvcm_sidecar_snapshot_keys", p.counters["snapshot_keys"])
+        yield counter("kvcm_sidecar_snapshot_bytes", p.counters["snapshot_bytes"])
         yield counter("kvcm_sidecar_snapshot_rate_limited", p.counters["snapshot_rate_limited"])
         yield gauge(
             "kvcm_sidecar_snapshot_last_success_timestamp_seconds",
@@ -170,6 +176,9 @@ class _PublisherCollector(Collector):
         yield counter("kvcm_sidecar_delta_keys", p.counters["delta_keys"])
         alive = p.sync.boot_id != 0 and not p.engine_down
         yield gauge("kvcm_sidecar_engine_up", 1.0 if alive else 0.0)
+        yield counter(
+            "kvcm_sidecar_engine_incarnation_changes", p.sync.resyncs.get("new_incarnation", 0)
+        )
         yield counter("kvcm_sidecar_engine_anomalies", p.sync.anomalies)
 
 

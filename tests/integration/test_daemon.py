@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -16,14 +15,6 @@ import pytest
 from tests.integration.harness import Harness
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-async def h(tmp_path: Path) -> AsyncIterator[Harness]:
-    harness = Harness(tmp_path)
-    await harness.start_server()
-    yield harness
-    await harness.close()
 
 
 async def test_daemon_steady_state_converges(h: Harness) -> None:

@@ -632,3 +632,39 @@ async def test_report_hostile_bodies_never_500_and_never_touch_other_reporters(
     status, _ = await api.raw("reportEvent", msgspec.json.encode(body))
     assert status in (200, 400)
     assert await api.visible() == [77]
+
+
+async def test_liveness_configured_through_add_storage_route(clock: FakeClock) -> None:
+    """Operators' path: addStorage with short timeouts, a group, register, then liveness."""
+    server = KvcmServer(clock=clock)
+    async with aiohttp.ClientSession() as session:
+        api, runner = await start(server, session)
+        st = {
+            "storage": {
+                "global_unique_name": "fast",
+                "storage_type": "ST_EVENT_REPORT_L1P5",
+                "event_report": {"heartbeat_timeout_ms": 100, "cleanup_grace_ms": 400},
+            }
+        }
+        assert code(await api("addStorage", st)) == "OK"
+        assert code(await api("addStorage", st)) == "DUPLICATE_ENTITY"
+        grp = {"instance_group": {"name": "default", "event_report_storage_candidates": ["fast"]}}
+        assert code(await api("createInstanceGroup", grp)) == "OK"
+        listed = await api("listStorage", {})
+        assert listed["storages"][0]["event_report"]["heartbeat_timeout_ms"] == 100
+        assert code(await api("registerInstance", REG)) == "OK"
+        await api.report(add(1), HEARTBEAT)
+        clock.t += 0.15
+        assert await api.visible() == []  # past the 100 ms timeout: hidden
+        await api.report(HEARTBEAT)
+        assert await api.visible() == [1]  # within grace: restored
+        upd = {
+            "storage": {
+                **st["storage"],
+                "event_report": {"heartbeat_timeout_ms": 1000, "cleanup_grace_ms": 5000},
+            }
+        }
+        assert code(await api("updateStorage", upd)) == "OK"
+        clock.t += 0.5
+        assert await api.visible() == [1]  # the new timeout applies
+        await runner.cleanup()

@@ -9,8 +9,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -23,14 +21,6 @@ from tests.integration.harness import Harness
 from tests.proc import ROOT
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-async def h(tmp_path: Path) -> AsyncIterator[Harness]:
-    harness = Harness(tmp_path)
-    await harness.start_server()
-    yield harness
-    await harness.close()
 
 
 async def test_metrics_every_documented_metric_exported_with_its_type(h: Harness) -> None:
