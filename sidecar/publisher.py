@@ -232,19 +232,23 @@ class Publisher:
         inc = reader.read_incarnation()
         if inc is None:
             return
+        closed = reader.producer_state() == L.PRODUCER_CLOSED
+        gone = inc.pidns == pid_namespace() and not pid_alive(inc.pid)
+        age_s = (time.monotonic_ns() - reader.producer_liveness_ns()) / 1e9
+        stale = age_s > self.cfg.engine.stale_after_s
         if self.engine_down:
-            if inc.boot_id != self.dead_boot_id and reader.producer_state() == L.PRODUCER_ATTACHED:
-                log.info("engine back boot_id=%x", inc.boot_id)
+            healthy = not closed and not gone and not stale
+            new_engine = inc.boot_id != self.dead_boot_id
+            if healthy and (new_engine or reader.producer_state() == L.PRODUCER_ATTACHED):
+                # A new incarnation, or the same engine fresh again after a stall: the drain
+                # loop kept `current` exact either way, so register again and resnapshot.
+                log.info("engine back boot_id=%x new=%s", inc.boot_id, new_engine)
                 self.engine_down = False
                 self.stale_checks = 0
                 self.descriptor = None
                 self.registered = False
                 self.need_snapshot = True
             return
-        closed = reader.producer_state() == L.PRODUCER_CLOSED
-        gone = inc.pidns == pid_namespace() and not pid_alive(inc.pid)
-        age_s = (time.monotonic_ns() - reader.producer_liveness_ns()) / 1e9
-        stale = age_s > self.cfg.engine.stale_after_s
         if closed or gone or stale:
             self.stale_checks += 1
         else:

@@ -1,0 +1,73 @@
+"""Engine watch: death needs consecutive bad checks; a stalled engine that recovers revives."""
+
+from __future__ import annotations
+
+import time
+
+import aiohttp
+
+from sidecar import config as C
+from sidecar.engine_sync import EngineSync
+from sidecar.key_state import KeyState
+from sidecar.kvcm_client.client import KvcmClient
+from sidecar.publisher import Publisher, State
+from sidecar.shm_ring import layout as L
+from sidecar.shm_ring.reader import RingReader
+from sidecar.shm_ring.segment import Segment
+from sidecar.shm_ring.writer import RingWriter
+
+
+def down(p: Publisher) -> bool:
+    """Read through a call: mypy would keep an attribute narrowed across watch_step()."""
+    return p.engine_down
+
+
+ENV = {
+    "KV_CACHE_EVENT_MANAGER_ENDPOINT": "http://127.0.0.1:9",
+    "KV_CACHE_EVENT_INSTANCE_ID": "i",
+    "KV_CACHE_EVENT_HOST_IP_PORT": "h:1",
+    "KV_CACHE_EVENT_ENGINE_STALE_AFTER_S": "1",
+    "KV_CACHE_EVENT_ENGINE_DEAD_AFTER_CHECKS": "2",
+}
+
+
+async def test_watch_stale_engine_goes_down_then_revives_when_fresh(ring_name: str) -> None:
+    writer = RingWriter(Segment(ring_name, 64))
+    reader = RingReader(Segment(ring_name))
+    async with aiohttp.ClientSession() as session:
+        p = Publisher(
+            C.load(env=ENV),
+            KvcmClient(session, "http://127.0.0.1:9", 1024),
+            EngineSync(reader, KeyState()),
+        )
+        p.registered = True
+        writer.seg.hdr[L.W_LIVENESS_NS] = time.monotonic_ns() - 5 * 10**9  # a 5 s stall
+        p.watch_step()
+        assert not down(p)  # one bad check is not death
+        p.watch_step()
+        assert down(p) and p.state == State.ENGINE_DOWN and p.host_down_pending
+        writer.stamp()  # the same engine is fresh again
+        p.watch_step()
+        assert not down(p) and p.need_snapshot and not p.registered
+    reader.close()
+    writer.close()
+
+
+async def test_watch_clean_close_is_engine_down_at_once(ring_name: str) -> None:
+    writer = RingWriter(Segment(ring_name, 64))
+    reader = RingReader(Segment(ring_name))
+    async with aiohttp.ClientSession() as session:
+        p = Publisher(
+            C.load(env=ENV),
+            KvcmClient(session, "http://127.0.0.1:9", 1024),
+            EngineSync(reader, KeyState()),
+        )
+        writer.close()
+        p.watch_step()
+        assert down(p)
+        p.watch_step()
+        assert down(p)  # closed stays down until a new incarnation attaches
+        RingWriter(Segment(ring_name))
+        p.watch_step()
+        assert not down(p)
+    reader.close()
