@@ -165,7 +165,7 @@ class KvcmServer:
             except web.HTTPRequestEntityTooLarge:
                 return web.Response(status=413, body=b"{}", content_type="application/json")
             try:
-                req = P.decode(raw)
+                req = P.decode(raw, lazy_events=name == "reportEvent")
             except P.BadRequest:
                 return web.Response(status=400, body=b"{}", content_type="application/json")
             try:

@@ -29,10 +29,20 @@ class ItemError(Exception):
         self.code = code
 
 
+_SPEC_CACHE: dict[tuple[tuple[Any, Any], ...], dict[str, str]] = {}
+
+
 def _specs(payload: dict[str, Any]) -> dict[str, str]:
     specs = payload.get("specs") or []
     if not isinstance(specs, list) or not specs:
         raise ItemError("INVALID_ARGUMENT", "specs must be a non-empty list")
+    try:
+        ident = tuple((s["name"], s["uri"]) for s in specs)
+        cached = _SPEC_CACHE.get(ident)
+        if cached is not None:
+            return cached  # publishers repeat the same spec list for every block
+    except (TypeError, KeyError):
+        ident = ()
     out: dict[str, str] = {}
     for s in specs:
         name, uri = (s.get("name"), s.get("uri")) if isinstance(s, dict) else (None, None)
@@ -41,6 +51,8 @@ def _specs(payload: dict[str, Any]) -> dict[str, str]:
         if not isinstance(uri, str) or not valid_uri(uri):
             raise ItemError("INVALID_ARGUMENT", f"spec {name} uri {uri!r} is invalid")
         out[name] = uri
+    if ident and len(_SPEC_CACHE) < 1024:
+        _SPEC_CACHE[ident] = out
     return out
 
 
