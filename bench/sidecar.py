@@ -295,10 +295,12 @@ def resources(base: str, idle_s: float, n_keys: int) -> dict[str, float]:
     )
     prod.line()
     side = _sidecar(base, ring, inst + "2", 9501)
-    # The sidecar holds every key once the engine resync is done (KVCM may still be busy with,
-    # or refuse, the ~116 MB snapshot: the stand-in's default body limit is 64 MiB).
+    # The sidecar holds every key once the engine resync is done. Then it sends the ~116 MB
+    # snapshot, which the stand-in refuses (413: its default body limit is 64 MiB), and the
+    # circuit opens: measure after that, once the request body has been freed.
     _wait_log(side, f"published={n_keys}")
-    time.sleep(1.0)
+    _wait_log(side, "CIRCUIT_OPEN")
+    time.sleep(2.0)
     _, rss_full = _proc_stats(side.p.pid)
     side.p.terminate()
     side.p.wait(timeout=30)

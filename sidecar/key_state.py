@@ -133,7 +133,7 @@ class KeyState:
         out: list[tuple[int, bool]] = []
         dirty = self.dirty
         acked = self.acked
-        cur = self.current
+        get = self.current.get
         req = self.required
         while dirty and len(out) < limit:
             # One slice per batch: popping keys one by one from the front of a dict rescans
@@ -141,9 +141,9 @@ class KeyState:
             chunk = list(itertools.islice(dirty, limit - len(out)))
             for key in chunk:
                 del dirty[key]
-                pub = cur.get(key, 0) & req == req
-                if pub != (key in acked):  # never re-send an unchanged key
-                    out.append((key, pub))
+            pubs = [get(k, 0) & req == req for k in chunk]
+            # never re-send an unchanged key
+            out += [(k, p) for k, p in zip(chunk, pubs, strict=True) if p != (k in acked)]
         if not dirty:
             self.dirty = {}  # a fresh dict drops the deleted slots the loop left behind
         return out
@@ -151,15 +151,18 @@ class KeyState:
     def confirm(self, sent: list[tuple[int, bool]], failed: Iterable[int] = ()) -> None:
         """KVCM applied `sent` except the items at `failed` indexes, which go back in front."""
         bad = set(failed)
-        for i, (key, pub) in enumerate(sent):
-            if i in bad:
-                continue
-            if pub:
-                self.acked.add(key)
-            else:
-                self.acked.discard(key)
-            if self.is_published(key) != pub:
-                self.dirty[key] = None  # changed again while in flight
+        ok = [kp for i, kp in enumerate(sent) if i not in bad] if bad else sent
+        adds = [k for k, pub in ok if pub]
+        dels = [k for k, pub in ok if not pub]
+        self.acked.update(adds)
+        self.acked.difference_update(dels)
+        get = self.current.get
+        req = self.required
+        # Keys that changed again while in flight stay dirty.
+        moved = [k for k in adds if get(k, 0) & req != req]
+        moved += [k for k in dels if get(k, 0) & req == req]
+        if moved:
+            self.dirty.update(dict.fromkeys(moved))
         if bad:
             self.requeue_front([sent[i][0] for i in sorted(bad)])
 
