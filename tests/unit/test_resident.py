@@ -1,0 +1,69 @@
+"""The hook's array-backed resident set against a dict model (hypothesis)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine_hook import resident
+from engine_hook.resident import ResidentSet
+from sidecar.shm_ring import layout as L
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from([L.KIND_STORED] * 6 + [L.KIND_REMOVED] * 4 + [L.KIND_CLEARED]),
+        st.integers(0, 3),
+        st.integers(-(2**63), 2**63 - 1) | st.integers(-50, 50),
+    ),
+    max_size=300,
+)
+
+
+def model(ops: list[tuple[int, int, int]]) -> dict[int, int]:
+    d: dict[int, int] = {}
+    for kind, g, k in ops:
+        if kind == L.KIND_CLEARED:
+            d.clear()
+        elif kind == L.KIND_STORED:
+            d[k] = d.get(k, 0) | 1 << g
+        else:
+            v = d.get(k, 0) & ~(1 << g)
+            if v:
+                d[k] = v
+            else:
+                d.pop(k, None)
+    return d
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=OPS, chunk=st.integers(1, 50), fold_at=st.sampled_from([1, 7, 1 << 16]))
+def test_resident_set_equals_fold_of_all_ops(
+    ops: list[tuple[int, int, int]], chunk: int, fold_at: int
+) -> None:
+    old = resident.FOLD_AT
+    resident.FOLD_AT = fold_at
+    try:
+        rs = ResidentSet(capacity=16)  # tiny: forces growth and rebuilds
+        for i in range(0, len(ops), chunk):
+            part = ops[i : i + chunk]
+            keys = np.array([k for _, _, k in part], np.int64)
+            metas = np.array([L.pack_meta(kind, g) for kind, g, _ in part], np.uint64)
+            rs.apply(keys, metas)
+        assert rs.as_dict() == model(ops)
+        assert len(rs) == len(model(ops))  # as_dict() folded everything queued
+    finally:
+        resident.FOLD_AT = old
+
+
+def test_resident_set_churn_keeps_table_bounded() -> None:
+    rs = ResidentSet()
+    caps = []
+    for base in range(0, 2_000_000, 20_000):
+        keys = np.arange(base, base + 20_000, dtype=np.int64)
+        rs.apply(keys, np.full(len(keys), L.pack_meta(L.KIND_STORED), np.uint64))
+        rs.apply(keys - 20_000, np.full(len(keys), L.pack_meta(L.KIND_REMOVED), np.uint64))
+        caps.append(rs._cap)
+    assert len(rs.as_dict()) == 20_000
+    # 2 M distinct keys went through; removed ones are compacted away, so the table stays small.
+    assert max(caps) <= 1 << 20
