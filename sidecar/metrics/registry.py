@@ -8,18 +8,14 @@ docs/operations.md and a test check against the registry.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
-
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from sidecar.kvcm_client.client import Result
-
-if TYPE_CHECKING:
-    from sidecar.publisher import Publisher
+from sidecar.publisher import Publisher, State
+from sidecar.shm_ring import layout as L
 
 # name -> (type, help). Counters are listed without the _total suffix, as Prometheus families.
 METRICS: dict[str, tuple[str, str]] = {
@@ -110,11 +106,8 @@ class _PublisherCollector(Collector):
         self.p = p
 
     def collect(self) -> Iterator[Metric]:
-        from sidecar.publisher import State
-
         p = self.p
         hdr = p.sync.reader.seg.hdr
-        from sidecar.shm_ring import layout as L
 
         def gauge(name: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, METRICS[name][1], value=value)
@@ -180,7 +173,3 @@ class _PublisherCollector(Collector):
             "kvcm_sidecar_engine_incarnation_changes", p.sync.resyncs.get("new_incarnation", 0)
         )
         yield counter("kvcm_sidecar_engine_anomalies", p.sync.anomalies)
-
-
-def now() -> float:
-    return time.time()
