@@ -9,6 +9,7 @@ docs/operations.md and a test check against the registry.
 from __future__ import annotations
 
 from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
