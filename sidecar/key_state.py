@@ -106,7 +106,8 @@ class KeyState:
         """Replace `current` with an engine snapshot; a key may repeat with different bits."""
         new: dict[int, int] = {}
         get = new.get
-        for k, m in zip(keys.tolist(), masks.tolist(), strict=True):
+        held = masks != 0  # mask-0 entries are keys the engine no longer holds
+        for k, m in zip(keys[held].tolist(), masks[held].tolist(), strict=True):
             new[k] = get(k, 0) | m
         req = self.required
         old = self.current

@@ -79,7 +79,8 @@ def test_snapshot_plus_later_records_equals_engine_truth(
         truth = {k: v for k, v in eng.recv()["truth"]}
         state: dict[int, int] = {}
         for k, m in zip(snap.keys.tolist(), snap.masks.tolist(), strict=True):
-            state[k] = state.get(k, 0) | m
+            if m:  # mask-0 entries are keys no longer held
+                state[k] = state.get(k, 0) | m
         records = np.concatenate(backlog)
         _fold(state, records[records[:, L.C_SEQ] > snap.seq])
         assert state == truth
