@@ -13,35 +13,11 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from sidecar.shm_ring.layout import KIND_CLEARED, KIND_REMOVED, KIND_STORED
+from sidecar.shm_ring.fold import fold_ops
+from sidecar.shm_ring.layout import KIND_CLEARED
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 FOLD_AT = 1 << 16  # queued records before a fold: amortises numpy's fixed per-call cost
-
-
-def fold_ops(keys: np.ndarray, metas: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Last op per (key, group) wins -> (distinct keys, group bits set, group bits cleared).
-
-    `metas` must hold stored/removed records only (a clear is handled by the caller).
-    """
-    n = len(keys)
-    groups = ((metas >> np.uint64(8)) & np.uint64(0xFF)).astype(np.int64)
-    kinds = (metas & np.uint64(0xFF)).astype(np.uint8)
-    order = np.lexsort((np.arange(n), groups, keys))
-    k_s, g_s, kind_s = keys[order], groups[order], kinds[order]
-    last = np.ones(n, np.bool_)
-    last[:-1] = (k_s[1:] != k_s[:-1]) | (g_s[1:] != g_s[:-1])
-    k_s, g_s, kind_s = k_s[last], g_s[last], kind_s[last]
-    bits = np.left_shift(np.int64(1), g_s)
-    setb = np.where(kind_s == KIND_STORED, bits, 0)
-    clrb = np.where(kind_s == KIND_REMOVED, bits, 0)
-    first = np.ones(len(k_s), np.bool_)
-    first[1:] = k_s[1:] != k_s[:-1]
-    idx = np.flatnonzero(first)
-    if not len(idx):
-        empty = np.empty(0, np.int64)
-        return empty, empty, empty
-    return k_s[idx], np.bitwise_or.reduceat(setb, idx), np.bitwise_or.reduceat(clrb, idx)
 
 
 class ResidentSet:

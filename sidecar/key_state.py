@@ -14,7 +14,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from sidecar.shm_ring.layout import KIND_CLEARED, KIND_REMOVED, KIND_STORED
+from sidecar.shm_ring.fold import fold_ops
+from sidecar.shm_ring.layout import KIND_CLEARED
 
 
 class KeyState:
@@ -43,33 +44,16 @@ class KeyState:
         clears = np.flatnonzero(kinds == KIND_CLEARED)
         start = 0
         for c in clears.tolist():  # a clear splits the batch: before it, then nothing survives
-            self._apply_segment(records[start:c], kinds[start:c])
+            self._apply_segment(records[start:c])
             self._clear()
             start = c + 1
-        self._apply_segment(records[start:], kinds[start:])
+        self._apply_segment(records[start:])
 
-    def _apply_segment(self, records: np.ndarray, kinds: np.ndarray) -> None:
+    def _apply_segment(self, records: np.ndarray) -> None:
         """Vectorised fold: last op per (key, group) wins, then one dict pass per distinct key."""
-        n = len(records)
-        if not n:
+        if not len(records):
             return
-        keys = records[:, 1].view(np.int64)
-        groups = ((records[:, 2] >> np.uint64(8)) & np.uint64(0xFF)).astype(np.int64)
-        # Last occurrence of each (key, group): stable sort by (key, group), keep the last.
-        order = np.lexsort((np.arange(n), groups, keys))
-        k_s, g_s, kind_s = keys[order], groups[order], kinds[order]
-        last = np.ones(n, np.bool_)
-        last[:-1] = (k_s[1:] != k_s[:-1]) | (g_s[1:] != g_s[:-1])
-        k_s, g_s, kind_s = k_s[last], g_s[last], kind_s[last]
-        bits = np.left_shift(np.int64(1), g_s)
-        setb = np.where(kind_s == KIND_STORED, bits, 0)
-        clrb = np.where(kind_s == KIND_REMOVED, bits, 0)
-        first = np.ones(len(k_s), np.bool_)
-        first[1:] = k_s[1:] != k_s[:-1]
-        idx = np.flatnonzero(first)
-        ukeys = k_s[idx]
-        set_m = np.bitwise_or.reduceat(setb, idx)
-        clr_m = np.bitwise_or.reduceat(clrb, idx)
+        ukeys, set_m, clr_m = fold_ops(records[:, 1].view(np.int64), records[:, 2])
         cur = self.current
         ukeys_l = ukeys.tolist()
         old = np.fromiter(map(cur.get, ukeys_l, itertools.repeat(0)), np.int64, len(ukeys_l))
