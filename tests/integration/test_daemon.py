@@ -298,3 +298,15 @@ async def test_daemon_sigterm_during_snapshot_exits_0_and_hides_keys(h: Harness)
     assert side.p.wait(timeout=10) == 0
     r = await h.reporter_until(lambda r: r["liveness"] == "tombstoned")
     assert r["visible_keys"] == []
+
+
+async def test_daemon_started_before_engine_waits_then_converges(h: Harness) -> None:
+    # The sidecar creates the ring (same capacity as the engine asks for: a mismatch is refused).
+    side = h.start_sidecar(**{"ring.capacity_slots": str(h.capacity)})
+    status = await h.status()
+    assert status["state"] == "STARTING" and status["registered"] is False
+    h.start_engine()  # the engine attaches to the sidecar's segment
+    h.engine_cmd(op="work", n=100)
+    await h.converge()
+    assert (await h.status())["state"] == "READY"
+    assert side.p.poll() is None
