@@ -1,15 +1,15 @@
 """What is published, what KVCM has confirmed, and the difference between them.
 
-Imports: stdlib + numpy + sidecar.shm_ring.layout. `current` maps each key to the cache groups
-that hold it (from the ring and engine snapshots); a key is published when every required group
-holds it. `acked` is what KVCM confirmed. `dirty` holds keys whose published state may differ from
-`acked`, in first-seen order; sending is always "make KVCM's copy equal to current", so retries
-are idempotent and per-key coalescing (last state wins) comes for free.
+Imports: numpy + sidecar.shm_ring. Per key: the cache groups that hold it (from the ring and
+engine snapshots; published when every required group does), whether KVCM has confirmed it
+(`acked`), and whether it waits in the dirty queue. Sending is always "make KVCM's copy equal to
+the engine's", so retries are idempotent and per-key coalescing (last state wins) is free.
+Everything lives in dense numpy arrays behind a hash index (~40 bytes per key), and every
+operation works on whole batches.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable
 
 import numpy as np
@@ -17,69 +17,186 @@ import numpy as np
 from sidecar.shm_ring.fold import fold_ops
 from sidecar.shm_ring.layout import KIND_CLEARED
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIN_CAP = 1 << 12
+
+
+class _Size:
+    """len() and truthiness of a count (what callers ask of `dirty` and `acked`)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __bool__(self) -> bool:
+        return self.n > 0
+
 
 class KeyState:
     def __init__(self, required_groups: Iterable[int] = (0,)) -> None:
         self.required = sum(1 << g for g in set(required_groups)) or 1
-        self.current: dict[int, int] = {}
-        self.acked: set[int] = set()
-        self.dirty: dict[int, None] = {}
         self.published_count = 0
+        self._alloc(_MIN_CAP)
+        self._queue: list[np.ndarray] = []  # dense positions, in the order they became dirty
+        self._ndirty = 0
+        self._nacked = 0
+
+    # ---- storage and index ------------------------------------------------------------------
+    def _alloc(self, cap: int) -> None:
+        self._cap = cap
+        self._bits = cap.bit_length() - 1
+        self._tkeys = np.zeros(cap, np.int64)
+        self._tpos = np.full(cap, -1, np.int64)
+        dense = cap // 2 + 1
+        self._keys = np.zeros(dense, np.int64)
+        self._masks = np.zeros(dense, np.int64)
+        self._acked = np.zeros(dense, np.bool_)
+        self._queued = np.zeros(dense, np.bool_)
+        self._n = 0
+
+    def _hash(self, keys: np.ndarray) -> np.ndarray:
+        return ((keys.view(np.uint64) * _GOLDEN) >> np.uint64(64 - self._bits)).astype(np.int64)
+
+    def _find(self, ukeys: np.ndarray, insert: bool) -> np.ndarray:
+        """Dense position of each distinct key (-1 if absent and not inserting)."""
+        if insert and (self._n + len(ukeys)) * 10 > self._cap * 7:
+            self._compact(len(ukeys))
+        if insert and self._n + len(ukeys) > len(self._keys):
+            size = max(self._n + len(ukeys), 2 * len(self._keys))
+            for name in ("_keys", "_masks", "_acked", "_queued"):
+                old = getattr(self, name)
+                new = np.zeros(size, old.dtype)
+                new[: self._n] = old[: self._n]
+                setattr(self, name, new)
+        mask = self._cap - 1
+        idx = self._hash(ukeys)
+        out = np.full(len(ukeys), -1, np.int64)
+        todo = np.arange(len(ukeys))
+        while len(todo):
+            s = idx[todo]
+            pos = self._tpos[s]
+            used = pos >= 0
+            done = used & (self._tkeys[s] == ukeys[todo])
+            out[todo[done]] = pos[done]
+            free = np.flatnonzero(~used)
+            if len(free):
+                if insert:
+                    claim_s, first = np.unique(s[free], return_index=True)
+                    winners = todo[free[first]]
+                    new_pos = np.arange(self._n, self._n + len(winners))
+                    self._tpos[claim_s] = new_pos
+                    self._tkeys[claim_s] = ukeys[winners]
+                    self._keys[new_pos] = ukeys[winners]
+                    self._masks[new_pos] = 0
+                    self._acked[new_pos] = False
+                    self._queued[new_pos] = False
+                    self._n += len(winners)
+                    out[winners] = new_pos
+                    done[free[first]] = True
+                else:
+                    done[free] = True  # an empty slot ends the probe: absent
+            todo = todo[~done]
+            idx[todo] = (idx[todo] + 1) & mask
+        return out
+
+    def _compact(self, incoming: int) -> None:
+        """Re-index, keeping only keys that are held, acked or queued."""
+        n = self._n
+        kept = np.flatnonzero((self._masks[:n] != 0) | self._acked[:n] | self._queued[:n])
+        cols = {
+            name: getattr(self, name)[kept] for name in ("_keys", "_masks", "_acked", "_queued")
+        }
+        cap = _MIN_CAP
+        while cap < (len(kept) + incoming) * 2:  # the fresh index at most half full
+            cap *= 2
+        self._alloc(cap)
+        remap = np.full(n, -1, np.int64)
+        if len(kept):
+            pos = self._find(cols["_keys"], insert=True)
+            for name in ("_masks", "_acked", "_queued"):
+                getattr(self, name)[pos] = cols[name]
+            remap[kept] = pos
+        # Queued keys are always kept, so every queued position has a new home.
+        self._queue = [remap[q] for q in self._queue if len(q)]
+
+    def _published(self, masks: np.ndarray) -> np.ndarray:
+        out: np.ndarray = (masks & self.required) == self.required
+        return out
+
+    def _mark_dirty(self, pos: np.ndarray) -> None:
+        pos = pos[~self._queued[pos]]
+        if len(pos):
+            self._queued[pos] = True
+            self._queue.append(pos)
+            self._ndirty += len(pos)
+
+    # ---- views --------------------------------------------------------------------------------
+    @property
+    def dirty(self) -> _Size:
+        return _Size(self._ndirty)
+
+    @property
+    def acked(self) -> _Size:
+        return _Size(self._nacked)
 
     def set_required(self, required_groups: Iterable[int]) -> None:
         req = sum(1 << g for g in set(required_groups)) or 1
         if req != self.required:
             self.required = req
-            self._recount()
+            self.published_count = int(self._published(self._masks[: self._n]).sum())
 
     def is_published(self, key: int) -> bool:
-        return self.current.get(key, 0) & self.required == self.required
+        pos = self._find(np.array([key], np.int64), insert=False)[0]
+        return bool(pos >= 0 and self._published(self._masks[pos : pos + 1])[0])
+
+    def as_dict(self) -> dict[int, int]:
+        """key -> group mask of every held key (for tests and diagnostics)."""
+        n = self._n
+        held = self._masks[:n] != 0
+        return dict(zip(self._keys[:n][held].tolist(), self._masks[:n][held].tolist(), strict=True))
+
+    def acked_keys(self) -> set[int]:
+        n = self._n
+        return set(self._keys[:n][self._acked[:n]].tolist())
+
+    def published_keys(self) -> list[int]:
+        n = self._n
+        keys: list[int] = self._keys[:n][self._published(self._masks[:n])].tolist()
+        return keys
 
     # ---- engine side --------------------------------------------------------------------
     def apply(self, records: np.ndarray) -> None:
-        """Fold ring records ((n, 4) uint64 rows: seq, key, meta, parent) into `current`."""
+        """Fold ring records ((n, 4) uint64 rows: seq, key, meta, parent)."""
         if not len(records):
             return
         kinds = (records[:, 2] & 0xFF).astype(np.uint8)
-        clears = np.flatnonzero(kinds == KIND_CLEARED)
         start = 0
-        for c in clears.tolist():  # a clear splits the batch: before it, then nothing survives
+        for c in np.flatnonzero(kinds == KIND_CLEARED).tolist():  # a clear splits the batch
             self._apply_segment(records[start:c])
             self._clear()
             start = c + 1
         self._apply_segment(records[start:])
 
     def _apply_segment(self, records: np.ndarray) -> None:
-        """Vectorised fold: last op per (key, group) wins, then one dict pass per distinct key."""
         if not len(records):
             return
         ukeys, set_m, clr_m = fold_ops(records[:, 1].view(np.int64), records[:, 2])
-        cur = self.current
-        ukeys_l = ukeys.tolist()
-        old = np.fromiter(map(cur.get, ukeys_l, itertools.repeat(0)), np.int64, len(ukeys_l))
+        pos = self._find(ukeys, insert=True)
+        old = self._masks[pos]
         new = (old & ~clr_m) | set_m
-        changed = np.flatnonzero(new != old)
-        if not len(changed):
-            return
-        req = self.required
-        was = (old[changed] & req) == req
-        now = (new[changed] & req) == req
-        ck = ukeys[changed]
-        cn = new[changed]
-        keep = cn != 0
-        cur.update(zip(ck[keep].tolist(), cn[keep].tolist(), strict=True))
-        for k in ck[~keep].tolist():
-            del cur[k]
-        flips = was != now
-        self.dirty.update(dict.fromkeys(ck[flips].tolist()))
+        self._masks[pos] = new
+        was, now = self._published(old), self._published(new)
         self.published_count += int(now.sum()) - int(was.sum())
+        self._mark_dirty(pos[was != now])
 
     def _clear(self) -> None:
-        req = self.required
-        for k, m in self.current.items():
-            if m & req == req:
-                self.dirty[k] = None
-        self.current.clear()
+        n = self._n
+        self._mark_dirty(np.flatnonzero(self._published(self._masks[:n])))
+        self._masks[:n] = 0
         self.published_count = 0
 
     def clear_current(self) -> None:
@@ -87,91 +204,99 @@ class KeyState:
         self._clear()
 
     def replace(self, keys: np.ndarray, masks: np.ndarray) -> None:
-        """Replace `current` with an engine snapshot; a key may repeat with different bits."""
-        new: dict[int, int] = {}
-        get = new.get
-        held = masks != 0  # mask-0 entries are keys the engine no longer holds
-        for k, m in zip(keys[held].tolist(), masks[held].tolist(), strict=True):
-            new[k] = get(k, 0) | m
-        req = self.required
-        old = self.current
-        for k, m in old.items():
-            if (m & req == req) != (new.get(k, 0) & req == req):
-                self.dirty[k] = None
-        for k, m in new.items():
-            if m & req == req and old.get(k, 0) & req != req:
-                self.dirty[k] = None
-        self.current = new
-        self._recount()
-
-    def _recount(self) -> None:
-        req = self.required
-        self.published_count = sum(1 for m in self.current.values() if m & req == req)
-
-    def published_keys(self) -> list[int]:
-        req = self.required
-        return [k for k, m in self.current.items() if m & req == req]
+        """Replace the engine state with a snapshot; a key may repeat; mask 0 = not held."""
+        held = masks != 0
+        keys, masks = keys[held], masks[held].astype(np.int64)
+        order = np.argsort(keys, kind="stable")
+        keys, masks = keys[order], masks[order]
+        first = np.ones(len(keys), np.bool_)
+        first[1:] = keys[1:] != keys[:-1]
+        idx = np.flatnonzero(first)
+        ukeys = keys[idx]
+        umasks = np.bitwise_or.reduceat(masks, idx) if len(idx) else masks[:0]
+        pos = self._find(ukeys, insert=True)
+        n = self._n
+        new = np.zeros(n, np.int64)
+        new[pos] = umasks
+        was, now = self._published(self._masks[:n]), self._published(new)
+        self._masks[:n] = new
+        self.published_count = int(now.sum())
+        self._mark_dirty(np.flatnonzero(was != now))
 
     # ---- KVCM side ----------------------------------------------------------------------
     def take_batch(self, limit: int) -> list[tuple[int, bool]]:
         """Up to `limit` (key, publish?) pairs whose state differs from `acked`, in order."""
-        out: list[tuple[int, bool]] = []
-        dirty = self.dirty
-        acked = self.acked
-        get = self.current.get
-        req = self.required
-        while dirty and len(out) < limit:
-            # One slice per batch: popping keys one by one from the front of a dict rescans
-            # the deleted slots every time (quadratic on a large backlog).
-            chunk = list(itertools.islice(dirty, limit - len(out)))
-            for key in chunk:
-                del dirty[key]
-            pubs = [get(k, 0) & req == req for k in chunk]
-            # never re-send an unchanged key
-            out += [(k, p) for k, p in zip(chunk, pubs, strict=True) if p != (k in acked)]
-        if not dirty:
-            self.dirty = {}  # a fresh dict drops the deleted slots the loop left behind
-        return out
+        out_k: list[np.ndarray] = []
+        out_p: list[np.ndarray] = []
+        got = 0
+        while self._queue and got < limit:
+            head = self._queue[0]
+            take = head[: limit - got]
+            rest = head[len(take) :]
+            if len(rest):
+                self._queue[0] = rest
+            else:
+                self._queue.pop(0)
+            self._queued[take] = False
+            self._ndirty -= len(take)
+            pub = self._published(self._masks[take])
+            differ = pub != self._acked[take]  # never re-send an unchanged key
+            out_k.append(self._keys[take[differ]])
+            out_p.append(pub[differ])
+            got += int(differ.sum())
+        if not out_k:
+            return []
+        keys = np.concatenate(out_k).tolist()
+        pubs = np.concatenate(out_p).tolist()
+        return list(zip(keys, pubs, strict=True))
 
     def confirm(self, sent: list[tuple[int, bool]], failed: Iterable[int] = ()) -> None:
         """KVCM applied `sent` except the items at `failed` indexes, which go back in front."""
-        bad = set(failed)
-        ok = [kp for i, kp in enumerate(sent) if i not in bad] if bad else sent
-        adds = [k for k, pub in ok if pub]
-        dels = [k for k, pub in ok if not pub]
-        self.acked.update(adds)
-        self.acked.difference_update(dels)
-        get = self.current.get
-        req = self.required
+        if not sent:
+            return
+        bad = np.zeros(len(sent), np.bool_)
+        failed_idx = sorted(set(failed))
+        bad[failed_idx] = True
+        keys = np.array([k for k, _ in sent], np.int64)
+        pubs = np.array([p for _, p in sent], np.bool_)
+        pos = self._find(keys, insert=True)
+        ok = ~bad
+        p_ok = pos[ok]
+        self._nacked += int(pubs[ok].sum()) - int(self._acked[p_ok].sum())
+        self._acked[p_ok] = pubs[ok]
         # Keys that changed again while in flight stay dirty.
-        moved = [k for k in adds if get(k, 0) & req != req]
-        moved += [k for k in dels if get(k, 0) & req == req]
-        if moved:
-            self.dirty.update(dict.fromkeys(moved))
-        if bad:
-            self.requeue_front([sent[i][0] for i in sorted(bad)])
+        moved = p_ok[self._published(self._masks[p_ok]) != pubs[ok]]
+        self._mark_dirty(moved)
+        if failed_idx:
+            self.requeue_front([sent[i][0] for i in failed_idx])
 
     def requeue_front(self, keys: list[int]) -> None:
-        rest = self.dirty
-        self.dirty = dict.fromkeys(keys)
-        self.dirty.update(rest)
+        pos = self._find(np.array(keys, np.int64), insert=True)
+        pos = pos[~self._queued[pos]]
+        if len(pos):
+            self._queued[pos] = True
+            self._queue.insert(0, pos)
+            self._ndirty += len(pos)
 
     def commit_snapshot(self, sent: set[int]) -> None:
         """KVCM now holds exactly `sent`; whatever changed since is dirty."""
-        self.acked = sent
-        req = self.required
-        self.dirty = {
-            k: None
-            for k in (
-                *(k for k, m in self.current.items() if (m & req == req) != (k in sent)),
-                *(k for k in sent if self.current.get(k, 0) & req != req),
-            )
-        }
+        n = self._n
+        self._acked[:n] = False
+        if sent:
+            pos = self._find(np.fromiter(sent, np.int64, len(sent)), insert=True)
+            self._acked[pos] = True
+        n = self._n
+        self._nacked = len(sent)
+        self._queued[:n] = False
+        self._queue, self._ndirty = [], 0
+        self._mark_dirty(np.flatnonzero(self._published(self._masks[:n]) != self._acked[:n]))
 
     def forget_acked(self) -> None:
         """KVCM dropped everything of this reporter (HOST_DOWN, tombstone)."""
-        self.acked = set()
-        self.dirty = dict.fromkeys(self.published_keys())
+        n = self._n
+        self._acked[:n] = False
+        self._nacked = 0
+        self._mark_dirty(np.flatnonzero(self._published(self._masks[:n])))
 
     def in_sync(self) -> bool:
-        return not self.dirty and self.published_count == len(self.acked)
+        return self._ndirty == 0 and self.published_count == self._nacked

@@ -54,7 +54,7 @@ def test_key_state_snapshot_plus_later_records_equals_fold(
     snap = fold(ops[:cut])
     ks.replace(np.array(list(snap), np.int64), np.array(list(snap.values()), np.uint32))
     ks.apply(records(ops[cut:], cut + 1))
-    assert ks.current == truth
+    assert ks.as_dict() == truth
     mask = sum(1 << g for g in req)
     assert ks.published_count == sum(1 for m in truth.values() if m & mask == mask)
 
@@ -72,7 +72,7 @@ def test_key_state_sending_dirty_makes_acked_equal_published(
         ks.confirm(sent, failed)
     while ks.dirty:
         ks.confirm(ks.take_batch(batch))
-    assert ks.acked == set(ks.published_keys())
+    assert ks.acked_keys() == set(ks.published_keys())
     assert ks.in_sync()
 
 
@@ -107,3 +107,30 @@ def test_key_state_partial_failure_requeues_failed_in_order_first() -> None:
     sent = ks.take_batch(4)
     ks.confirm(sent, [1, 3])
     assert [k for k, _ in ks.take_batch(10)] == [1, 3, 4, 5]
+
+
+@settings(max_examples=200)
+@given(ops=OPS, batch=st.integers(1, 7), cut=st.integers(0, 120))
+def test_key_state_tiny_index_compacts_and_grows_correctly(
+    ops: list[tuple[int, int, int]], batch: int, cut: int
+) -> None:
+    """Force index growth and compaction (removed, unacked keys dropped) on every few ops."""
+    from sidecar import key_state
+
+    old = key_state._MIN_CAP
+    key_state._MIN_CAP = 4
+    try:
+        ks = KeyState((0, 1))
+        for i in range(0, len(ops), 5):
+            ks.apply(records(ops[i : i + 5], i + 1))
+            if i // 5 % 2:
+                ks.confirm(ks.take_batch(batch), [0] if i % 3 == 0 else [])
+        snap = fold(ops[: min(cut, len(ops))])
+        ks.replace(np.array(list(snap), np.int64), np.array(list(snap.values()), np.uint32))
+        ks.apply(records(ops[min(cut, len(ops)) :], 1))
+        assert ks.as_dict() == fold(ops)
+        while ks.dirty:
+            ks.confirm(ks.take_batch(batch))
+        assert ks.acked_keys() == set(ks.published_keys()) and ks.in_sync()
+    finally:
+        key_state._MIN_CAP = old
