@@ -1,9 +1,9 @@
-"""Keeps KeyState.current equal to the engine's truth through drops, gaps and restarts.
+"""Keeps the key state's engine view equal to the engine's truth through drops, gaps, restarts.
 
 Imports: stdlib, numpy, sidecar.shm_ring, key_state. Synchronous: `step()` drains the ring once.
 Recovery (DESIGN §5): request an engine snapshot fenced at sequence S, buffer the records read
-meanwhile, replace `current` with the snapshot, then apply only records of that incarnation with
-seq > S. Nothing removed before S can come back.
+meanwhile, replace the engine view with the snapshot, then apply only records of that
+incarnation with seq > S. Nothing removed before S can come back.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Sync(enum.Enum):
 @dataclass
 class StepResult:
     records: int = 0
-    resynced: bool = False  # `current` was replaced by an engine snapshot in this step
+    resynced: bool = False  # the engine view was replaced by an engine snapshot in this step
 
 
 class EngineSync:

@@ -241,7 +241,7 @@ class Publisher:
             new_engine = inc.boot_id != self.dead_boot_id
             if healthy and (new_engine or reader.producer_state() == L.PRODUCER_ATTACHED):
                 # A new incarnation, or the same engine fresh again after a stall: the drain
-                # loop kept `current` exact either way, so register again and resnapshot.
+                # loop kept the engine view exact either way, so register again and resnapshot.
                 log.info("engine back boot_id=%x new=%s", inc.boot_id, new_engine)
                 self.engine_down = False
                 self.stale_checks = 0
