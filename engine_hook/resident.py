@@ -14,9 +14,9 @@ from collections.abc import Iterable
 import numpy as np
 
 from sidecar.shm_ring.fold import fold_ops
+from sidecar.shm_ring.key_index import KeyIndex, fit, sized_for
 from sidecar.shm_ring.layout import KIND_CLEARED
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 FOLD_AT = 1 << 16  # queued records before a fold: amortises numpy's fixed per-call cost
 
 
@@ -34,13 +34,12 @@ class ResidentSet:
         self._queued = 0
 
     def _alloc(self, capacity: int) -> None:
-        self._cap = capacity  # hash index slots, a power of two
-        self._bits = capacity.bit_length() - 1
-        self._tkeys = np.zeros(capacity, np.int64)
-        self._tpos = np.full(capacity, -1, np.int64)  # dense position, -1 = empty slot
-        self._dkeys = np.zeros(capacity // 2 + 1, np.int64)
-        self._dmasks = np.zeros(capacity // 2 + 1, np.uint32)
-        self._n = 0  # dense entries in use (live + removed-but-not-compacted)
+        self._idx = KeyIndex(capacity)
+        self._dmasks = np.zeros(len(self._idx.keys), np.uint32)
+
+    @property
+    def _cap(self) -> int:
+        return self._idx.cap
 
     # ---- recording ------------------------------------------------------------------------
     def apply(self, keys: np.ndarray, metas: np.ndarray) -> None:
@@ -81,55 +80,22 @@ class ResidentSet:
         self._dmasks[pos] = ((m & ~clr_m) | set_m).astype(np.uint32)
 
     # ---- the index ------------------------------------------------------------------------
-    def _hash(self, keys: np.ndarray) -> np.ndarray:
-        h = (keys.view(np.uint64) * _GOLDEN) >> np.uint64(64 - self._bits)
-        return h.astype(np.int64)
-
     def _positions(self, ukeys: np.ndarray) -> np.ndarray:
-        """Dense position of each distinct key, appending the missing ones (linear probing)."""
-        if (self._n + len(ukeys)) * 10 > self._cap * 7:  # probing stays short below 70 %
+        """Dense position of each distinct key, appending the missing ones."""
+        if self._idx.crowded(len(ukeys)):
             self._rebuild(len(ukeys))
-        if self._n + len(ukeys) > len(self._dkeys):
-            size = max(self._n + len(ukeys), 2 * len(self._dkeys))
-            self._dkeys = np.resize(self._dkeys, size)
-            self._dmasks = np.resize(self._dmasks, size)
-        mask = self._cap - 1
-        idx = self._hash(ukeys)
-        out = np.empty(len(ukeys), np.int64)
-        todo = np.arange(len(ukeys))
-        while len(todo):
-            s = idx[todo]
-            pos = self._tpos[s]
-            used = pos >= 0
-            done = used & (self._tkeys[s] == ukeys[todo])
-            out[todo[done]] = pos[done]
-            free = np.flatnonzero(~used)
-            if len(free):
-                # Several keys may reach the same empty slot: the first claims it, the others
-                # find it taken and probe on.
-                claim_s, first = np.unique(s[free], return_index=True)
-                winners = todo[free[first]]
-                new_pos = np.arange(self._n, self._n + len(winners))
-                self._tpos[claim_s] = new_pos
-                self._tkeys[claim_s] = ukeys[winners]
-                self._dkeys[new_pos] = ukeys[winners]
-                self._dmasks[new_pos] = 0
-                self._n += len(winners)
-                out[winners] = new_pos
-                done[free[first]] = True
-            todo = todo[~done]
-            idx[todo] = (idx[todo] + 1) & mask
-        return out
+        before = self._idx.n
+        pos = self._idx.find(ukeys)
+        self._dmasks = fit(self._dmasks, self._idx.n)
+        self._dmasks[before : self._idx.n] = 0
+        return pos
 
     def _rebuild(self, incoming: int) -> None:
-        """Grow, and compact away removed keys: re-index the live entries in a fresh table."""
-        n = self._n
+        """Grow, and compact away removed keys: re-index the live entries in a fresh index."""
+        n = self._idx.n
         live = self._dmasks[:n] != 0
-        keys, masks = self._dkeys[:n][live], self._dmasks[:n][live]
-        cap = 1 << 16
-        while cap < (len(keys) + incoming) * 2:  # the fresh index at most half full
-            cap *= 2
-        self._alloc(cap)
+        keys, masks = self._idx.keys[:n][live], self._dmasks[:n][live]
+        self._alloc(sized_for(len(keys) + incoming, 1 << 16))
         if len(keys):
             self._dmasks[self._positions(keys)] = masks
 
@@ -137,12 +103,13 @@ class ResidentSet:
     def __len__(self) -> int:
         """Resident keys as of the last fold. Never folds: it is read from threads that do not
         hold the hook's flush lock (stats()), and only that lock's holder may fold."""
-        return int(np.count_nonzero(self._dmasks[: self._n]))
+        return int(np.count_nonzero(self._dmasks[: self._idx.n]))
 
     def export(self) -> tuple[np.ndarray, np.ndarray]:
         """(keys, masks) as of every record applied; mask-0 entries are keys not held."""
         self._fold()
-        return self._dkeys[: self._n].copy(), self._dmasks[: self._n].copy()
+        n = self._idx.n
+        return self._idx.keys[:n].copy(), self._dmasks[:n].copy()
 
     def as_dict(self) -> dict[int, int]:
         keys, masks = self.export()

@@ -15,9 +15,9 @@ from collections.abc import Iterable
 import numpy as np
 
 from sidecar.shm_ring.fold import fold_ops
+from sidecar.shm_ring.key_index import KeyIndex, fit, sized_for
 from sidecar.shm_ring.layout import KIND_CLEARED
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIN_CAP = 1 << 12
 
 
@@ -46,78 +46,48 @@ class KeyState:
         self._nacked = 0
 
     # ---- storage and index ------------------------------------------------------------------
-    def _alloc(self, cap: int) -> None:
-        self._cap = cap
-        self._bits = cap.bit_length() - 1
-        self._tkeys = np.zeros(cap, np.int64)
-        self._tpos = np.full(cap, -1, np.int64)
-        dense = cap // 2 + 1
-        self._keys = np.zeros(dense, np.int64)
-        self._masks = np.zeros(dense, np.int64)
-        self._acked = np.zeros(dense, np.bool_)
-        self._queued = np.zeros(dense, np.bool_)
-        self._n = 0
+    _COLUMNS = ("_masks", "_acked", "_queued")
 
-    def _hash(self, keys: np.ndarray) -> np.ndarray:
-        return ((keys.view(np.uint64) * _GOLDEN) >> np.uint64(64 - self._bits)).astype(np.int64)
+    def _alloc(self, cap: int) -> None:
+        self._idx = KeyIndex(cap)
+        size = len(self._idx.keys)
+        self._masks = np.zeros(size, np.int64)
+        self._acked = np.zeros(size, np.bool_)
+        self._queued = np.zeros(size, np.bool_)
+
+    @property
+    def _n(self) -> int:
+        return self._idx.n
+
+    @property
+    def _keys(self) -> np.ndarray:
+        return self._idx.keys
 
     def _find(self, ukeys: np.ndarray, insert: bool) -> np.ndarray:
         """Dense position of each distinct key (-1 if absent and not inserting)."""
-        if insert and (self._n + len(ukeys)) * 10 > self._cap * 7:
+        if not insert:
+            return self._idx.find(ukeys, insert=False)
+        if self._idx.crowded(len(ukeys)):
             self._compact(len(ukeys))
-        if insert and self._n + len(ukeys) > len(self._keys):
-            size = max(self._n + len(ukeys), 2 * len(self._keys))
-            for name in ("_keys", "_masks", "_acked", "_queued"):
-                old = getattr(self, name)
-                new = np.zeros(size, old.dtype)
-                new[: self._n] = old[: self._n]
-                setattr(self, name, new)
-        mask = self._cap - 1
-        idx = self._hash(ukeys)
-        out = np.full(len(ukeys), -1, np.int64)
-        todo = np.arange(len(ukeys))
-        while len(todo):
-            s = idx[todo]
-            pos = self._tpos[s]
-            used = pos >= 0
-            done = used & (self._tkeys[s] == ukeys[todo])
-            out[todo[done]] = pos[done]
-            free = np.flatnonzero(~used)
-            if len(free):
-                if insert:
-                    claim_s, first = np.unique(s[free], return_index=True)
-                    winners = todo[free[first]]
-                    new_pos = np.arange(self._n, self._n + len(winners))
-                    self._tpos[claim_s] = new_pos
-                    self._tkeys[claim_s] = ukeys[winners]
-                    self._keys[new_pos] = ukeys[winners]
-                    self._masks[new_pos] = 0
-                    self._acked[new_pos] = False
-                    self._queued[new_pos] = False
-                    self._n += len(winners)
-                    out[winners] = new_pos
-                    done[free[first]] = True
-                else:
-                    done[free] = True  # an empty slot ends the probe: absent
-            todo = todo[~done]
-            idx[todo] = (idx[todo] + 1) & mask
-        return out
+        before = self._idx.n
+        pos = self._idx.find(ukeys)
+        for name in self._COLUMNS:
+            col = fit(getattr(self, name), self._idx.n)
+            col[before : self._idx.n] = 0
+            setattr(self, name, col)
+        return pos
 
     def _compact(self, incoming: int) -> None:
         """Re-index, keeping only keys that are held, acked or queued."""
         n = self._n
         kept = np.flatnonzero((self._masks[:n] != 0) | self._acked[:n] | self._queued[:n])
-        cols = {
-            name: getattr(self, name)[kept] for name in ("_keys", "_masks", "_acked", "_queued")
-        }
-        cap = _MIN_CAP
-        while cap < (len(kept) + incoming) * 2:  # the fresh index at most half full
-            cap *= 2
-        self._alloc(cap)
+        keys = self._keys[kept]
+        cols = {name: getattr(self, name)[kept] for name in self._COLUMNS}
+        self._alloc(sized_for(len(kept) + incoming, _MIN_CAP))
         remap = np.full(n, -1, np.int64)
         if len(kept):
-            pos = self._find(cols["_keys"], insert=True)
-            for name in ("_masks", "_acked", "_queued"):
+            pos = self._find(keys, insert=True)
+            for name in self._COLUMNS:
                 getattr(self, name)[pos] = cols[name]
             remap[kept] = pos
         # Queued keys are always kept, so every queued position has a new home.

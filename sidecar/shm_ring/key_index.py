@@ -1,0 +1,78 @@
+"""A vectorised hash index from 64-bit block keys to dense positions 0, 1, 2, ... .
+
+Imports: numpy only. Shared by the engine's resident set and the sidecar's key state, which keep
+their per-key columns (group masks, acked, queued) in arrays indexed by these positions.
+Open addressing with linear probing; a key never leaves the index (callers compact by building a
+fresh one from the keys they keep).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def fit(column: np.ndarray, size: int) -> np.ndarray:
+    """`column` if it holds `size` entries, else a zero-filled copy with room to grow."""
+    if size <= len(column):
+        return column
+    out = np.zeros(max(size, 2 * len(column)), column.dtype)
+    out[: len(column)] = column
+    return out
+
+
+def sized_for(count: int, minimum: int) -> int:
+    """Index capacity (a power of two) for `count` keys at most half full."""
+    cap = minimum
+    while cap < count * 2:
+        cap *= 2
+    return cap
+
+
+class KeyIndex:
+    def __init__(self, capacity: int) -> None:
+        self.cap = capacity
+        self._bits = capacity.bit_length() - 1
+        self._tkeys = np.zeros(capacity, np.int64)
+        self._tpos = np.full(capacity, -1, np.int64)  # dense position, -1 = empty slot
+        self.keys = np.zeros(capacity // 2 + 1, np.int64)  # dense: the key at each position
+        self.n = 0
+
+    def crowded(self, incoming: int) -> bool:
+        """Would `incoming` new keys push the index past 70 % (where probing gets long)?"""
+        return (self.n + incoming) * 10 > self.cap * 7
+
+    def find(self, ukeys: np.ndarray, insert: bool = True) -> np.ndarray:
+        """Position of each distinct key; missing ones get n, n+1, ... (or -1 if not inserting)."""
+        if insert:
+            self.keys = fit(self.keys, self.n + len(ukeys))
+        mask = self.cap - 1
+        idx = ((ukeys.view(np.uint64) * _GOLDEN) >> np.uint64(64 - self._bits)).astype(np.int64)
+        out = np.full(len(ukeys), -1, np.int64)
+        todo = np.arange(len(ukeys))
+        while len(todo):
+            s = idx[todo]
+            pos = self._tpos[s]
+            used = pos >= 0
+            done = used & (self._tkeys[s] == ukeys[todo])
+            out[todo[done]] = pos[done]
+            free = np.flatnonzero(~used)
+            if len(free):
+                if insert:
+                    # Several keys may reach the same empty slot: the first claims it, the
+                    # others find it taken and probe on.
+                    claim_s, first = np.unique(s[free], return_index=True)
+                    winners = todo[free[first]]
+                    new_pos = np.arange(self.n, self.n + len(winners))
+                    self._tpos[claim_s] = new_pos
+                    self._tkeys[claim_s] = ukeys[winners]
+                    self.keys[new_pos] = ukeys[winners]
+                    self.n += len(winners)
+                    out[winners] = new_pos
+                    done[free[first]] = True
+                else:
+                    done[free] = True  # an empty slot ends the probe: absent
+            todo = todo[~done]
+            idx[todo] = (idx[todo] + 1) & mask
+        return out
