@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 import aiohttp
+import pytest
 
 from sidecar import config as C
 from sidecar.engine_sync import EngineSync
@@ -31,43 +33,48 @@ ENV = {
 }
 
 
-async def test_watch_stale_engine_goes_down_then_revives_when_fresh(ring_name: str) -> None:
+@pytest.fixture
+async def engine(ring_name: str) -> AsyncIterator[tuple[RingWriter, Publisher]]:
+    """A producer on the ring and a publisher watching it (its client is never used)."""
     writer = RingWriter(Segment(ring_name, 64))
     reader = RingReader(Segment(ring_name))
     async with aiohttp.ClientSession() as session:
-        p = Publisher(
-            C.load(env=ENV),
-            KvcmClient(session, "http://127.0.0.1:9", 1024),
-            EngineSync(reader, KeyState()),
+        yield (
+            writer,
+            Publisher(
+                C.load(env=ENV),
+                KvcmClient(session, "http://127.0.0.1:9", 1024),
+                EngineSync(reader, KeyState()),
+            ),
         )
-        p.registered = True
-        writer.seg.hdr[L.W_LIVENESS_NS] = time.monotonic_ns() - 5 * 10**9  # a 5 s stall
-        p.watch_step()
-        assert not down(p)  # one bad check is not death
-        p.watch_step()
-        assert down(p) and p.state == State.ENGINE_DOWN and p.host_down_pending
-        writer.stamp()  # the same engine is fresh again
-        p.watch_step()
-        assert not down(p) and p.need_snapshot and not p.registered
     reader.close()
     writer.close()
 
 
-async def test_watch_clean_close_is_engine_down_at_once(ring_name: str) -> None:
-    writer = RingWriter(Segment(ring_name, 64))
-    reader = RingReader(Segment(ring_name))
-    async with aiohttp.ClientSession() as session:
-        p = Publisher(
-            C.load(env=ENV),
-            KvcmClient(session, "http://127.0.0.1:9", 1024),
-            EngineSync(reader, KeyState()),
-        )
-        writer.close()
-        p.watch_step()
-        assert down(p)
-        p.watch_step()
-        assert down(p)  # closed stays down until a new incarnation attaches
-        RingWriter(Segment(ring_name))
-        p.watch_step()
-        assert not down(p)
-    reader.close()
+async def test_watch_stale_engine_goes_down_then_revives_when_fresh(
+    engine: tuple[RingWriter, Publisher],
+) -> None:
+    writer, p = engine
+    p.registered = True
+    writer.seg.hdr[L.W_LIVENESS_NS] = time.monotonic_ns() - 5 * 10**9  # a 5 s stall
+    p.watch_step()
+    assert not down(p)  # one bad check is not death
+    p.watch_step()
+    assert down(p) and p.state == State.ENGINE_DOWN and p.host_down_pending
+    writer.stamp()  # the same engine is fresh again
+    p.watch_step()
+    assert not down(p) and p.need_snapshot and not p.registered
+
+
+async def test_watch_clean_close_is_engine_down_at_once(
+    ring_name: str, engine: tuple[RingWriter, Publisher]
+) -> None:
+    writer, p = engine
+    writer.close()
+    p.watch_step()
+    assert down(p)
+    p.watch_step()
+    assert down(p)  # closed stays down until a new incarnation attaches
+    RingWriter(Segment(ring_name))
+    p.watch_step()
+    assert not down(p)
