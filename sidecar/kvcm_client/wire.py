@@ -7,6 +7,7 @@ numbers, codes names or numbers, unknown fields ignored. `docs/wire.md` document
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import msgspec
@@ -192,6 +193,31 @@ def _join(keys: list[int], head: str, tail: str, before: str = "", after: str = 
     return (tail + "," + head).join(parts)
 
 
+@functools.lru_cache(maxsize=64)
+def _delta_fragments(medium: str, name: str, uri: str) -> tuple[str, str, str, str]:
+    """ADD and DELETE event text around the key; the same for every request of a reporter."""
+    spec = Spec(name, uri)
+    a_head, a_tail = _fragments(ev_add(0, medium, spec), "block_key")
+    d_head, d_tail = _fragments(ev_delete(0, medium, name), "block_key")
+    return a_head, a_tail, d_head, d_tail
+
+
+@functools.lru_cache(maxsize=64)
+def _snapshot_fragments(medium: str, name: str, uri: str) -> tuple[str, str, str, str]:
+    """Snapshot event text: (event head, block head, block tail, event tail)."""
+    b_head, b_tail = _fragments(
+        Event(
+            "EVENT_BLOCK_SNAPSHOT",
+            block_snapshot=BlockSnapshot([SnapshotBlock("0", medium, [Spec(name, uri)])]),
+        ),
+        "block_key",
+    )
+    # b_head = '{"event_type":"EVENT_BLOCK_SNAPSHOT","block_snapshot":{"blocks":[{"block_key":"'
+    ev_head, blk_head = b_head.rsplit("[", 1)
+    blk_tail, ev_tail = b_tail.rsplit("]", 1)
+    return ev_head, blk_head, blk_tail, ev_tail
+
+
 def _envelope_head(trace_id: str, instance_id: str, host_ip_port: str, storage_type: str) -> str:
     text = encode(
         ReportEventRequest(trace_id, instance_id, host_ip_port, storage_type, [])
@@ -211,8 +237,7 @@ def encode_deltas(
     spec: Spec,
 ) -> bytes:
     """A reportEvent with one BLOCK_ADD per key in `adds` and one BLOCK_DELETE per `deletes`."""
-    a_head, a_tail = _fragments(ev_add(0, medium, spec), "block_key")
-    d_head, d_tail = _fragments(ev_delete(0, medium, spec.name), "block_key")
+    a_head, a_tail, d_head, d_tail = _delta_fragments(medium, spec.name, spec.uri)
     parts = [p for p in (_join(adds, a_head, a_tail), _join(deletes, d_head, d_tail)) if p]
     head = _envelope_head(trace_id, instance_id, host_ip_port, storage_type)
     return (head + ",".join(parts) + "]}").encode()
@@ -228,15 +253,6 @@ def encode_snapshot(
     spec: Spec,
 ) -> bytes:
     """A reportEvent with one BLOCK_SNAPSHOT listing every key in `keys`."""
-    b_head, b_tail = _fragments(
-        Event(
-            "EVENT_BLOCK_SNAPSHOT",
-            block_snapshot=BlockSnapshot([SnapshotBlock("0", medium, [spec])]),
-        ),
-        "block_key",
-    )
-    # b_head = '{"event_type":"EVENT_BLOCK_SNAPSHOT","block_snapshot":{"blocks":[{"block_key":"'
-    ev_head, blk_head = b_head.rsplit("[", 1)
-    blk_tail, ev_tail = b_tail.rsplit("]", 1)
+    ev_head, blk_head, blk_tail, ev_tail = _snapshot_fragments(medium, spec.name, spec.uri)
     head = _envelope_head(trace_id, instance_id, host_ip_port, storage_type)
     return _join(keys, blk_head, blk_tail, head + ev_head + "[", "]" + ev_tail + "]}").encode()
