@@ -59,6 +59,7 @@ class EngineSync:
         self._req = 0
         self._req_at = 0.0
         self._buffer: list[np.ndarray] = []
+        self._buffered = 0  # records in _buffer
         self._first = True
 
     def request(self, reason: str) -> None:
@@ -68,6 +69,7 @@ class EngineSync:
         self._req = snapshot.request(self.reader.seg)
         self._req_at = self.clock()
         self._buffer = []
+        self._buffered = 0
         self.status = Sync.WAITING
 
     def step(self, max_records: int = 1 << 20, *, full: bool = True) -> StepResult:
@@ -100,6 +102,11 @@ class EngineSync:
             self.last_seq = int(records[-1, L.C_SEQ])
         if self.status is Sync.WAITING:
             self._buffer.append(records)
+            self._buffered += len(records)
+            if self._buffered > 4 * self.reader.capacity:
+                # The engine writes but does not answer: do not hold an unbounded backlog.
+                self.request("buffer_overflow")
+                return out
             self._poll_snapshot(out)
         else:
             self.keys.apply(records)

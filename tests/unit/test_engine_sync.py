@@ -1,0 +1,28 @@
+"""EngineSync: the backlog held while waiting for an engine snapshot stays bounded."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sidecar.engine_sync import EngineSync, Sync
+from sidecar.key_state import KeyState
+from sidecar.shm_ring import layout as L
+from sidecar.shm_ring.reader import RingReader
+from sidecar.shm_ring.segment import Segment
+from sidecar.shm_ring.writer import RingWriter
+
+
+def test_engine_sync_unanswered_snapshot_backlog_is_bounded(ring_name: str) -> None:
+    writer = RingWriter(Segment(ring_name, 64))  # a producer that never answers snapshots
+    sync = EngineSync(RingReader(Segment(ring_name)), KeyState())
+    meta = L.pack_meta(L.KIND_STORED)
+    peak = 0
+    for i in range(20):
+        writer.write(np.arange(i * 64, (i + 1) * 64, dtype=np.int64), meta)
+        sync.step()
+        peak = max(peak, sync._buffered)
+        assert sync.status is Sync.WAITING
+    assert sync.resyncs["buffer_overflow"] >= 1
+    assert peak <= 4 * 64 + 64  # never more than the bound plus one read
+    sync.reader.close()
+    writer.close()
