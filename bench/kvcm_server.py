@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REG = {
@@ -51,8 +53,11 @@ async def run(base: str) -> dict[str, float]:
     out: dict[str, float] = {}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=200)) as s:
 
-        async def post(route: str, body: dict[str, Any]) -> dict[str, Any]:
-            async with s.post(f"{base}/api/{route}", json=body) as r:
+        async def post(route: str, body: dict[str, Any] | bytes) -> dict[str, Any]:
+            # Bodies are encoded before the clock starts where it matters: the figure is the
+            # server's, not this client's JSON encoder's.
+            payload = body if isinstance(body, bytes) else msgspec.json.encode(body)
+            async with s.post(f"{base}/api/{route}", data=payload) as r:
                 data: dict[str, Any] = await r.json()
                 assert data["header"]["status"]["code"] == "OK", data["header"]
                 return data
@@ -70,14 +75,20 @@ async def run(base: str) -> dict[str, float]:
         dt = time.perf_counter() - t0
         out["single_add_requests_per_s_c100"] = 100 * n_per / dt
         # 2. one 20,000-event request
-        events = [_add(k) for k in range(20_000)]
-        best = float("inf")
-        for _ in range(3):
+        # Fresh keys every time (new blocks are the costly case), encoded before timing.
+        bigs = [
+            msgspec.json.encode(_req("big:1", [_add(i * 20_000 + k) for k in range(20_000)]))
+            for i in range(7)
+        ]
+        times = []
+        for big in bigs:
             t0 = time.perf_counter()
-            await post("reportEvent", _req("big:1", events))
-            best = min(best, time.perf_counter() - t0)
-        out["apply_20k_event_request_s"] = best
-        out["events_per_s_in_20k_request"] = 20_000 / best
+            await post("reportEvent", big)
+            times.append(time.perf_counter() - t0)
+        med = statistics.median(times)
+        out["apply_20k_event_request_s"] = med
+        out["apply_20k_event_request_best_s"] = min(times)
+        out["events_per_s_in_20k_request"] = 20_000 / med
         # 3. a 50,000-block snapshot
         blocks = [
             {
@@ -88,8 +99,9 @@ async def run(base: str) -> dict[str, float]:
             for k in range(50_000)
         ]
         snap = {"event_type": "EVENT_BLOCK_SNAPSHOT", "block_snapshot": {"blocks": blocks}}
+        snap_body = msgspec.json.encode(_req("snap:1", [snap]))
         t0 = time.perf_counter()
-        await post("reportEvent", _req("snap:1", [snap]))
+        await post("reportEvent", snap_body)
         out["commit_50k_block_snapshot_s"] = time.perf_counter() - t0
     return out
 

@@ -164,12 +164,16 @@ class KvcmServer:
                 raw = await request.read()
             except web.HTTPRequestEntityTooLarge:
                 return web.Response(status=413, body=b"{}", content_type="application/json")
+            typed = P.decode_report(raw) if name == "reportEvent" else None
+            trace_id: Any = typed[0].trace_id if typed else ""
             try:
-                req = P.decode(raw, lazy_events=name == "reportEvent")
+                if typed is None:
+                    req = P.decode(raw, lazy_events=name == "reportEvent")
+                    trace_id = req.get("trace_id", "")
             except P.BadRequest:
                 return web.Response(status=400, body=b"{}", content_type="application/json")
             try:
-                out = await fn(req)
+                out = await (self.report.handle_typed(*typed) if typed else fn(req))
                 code, message = out.pop("_code", "OK"), out.pop("_message", "")
             except (TypeError, ValueError, AttributeError, KeyError) as exc:
                 # A field of the wrong JSON type deep in the body: the message was not valid
@@ -186,7 +190,7 @@ class KvcmServer:
                         "snapshot_required": False,
                         **out,
                     }
-            body = {**P.header(code, message, req.get("trace_id", "")), **out}
+            body = {**P.header(code, message, trace_id), **out}
             return web.Response(body=P.encode(body), content_type="application/json")
 
         return handler
@@ -390,13 +394,13 @@ class KvcmServer:
         )
 
     async def debug_arrivals(self, request: web.Request) -> web.Response:
-        """First arrival (server monotonic clock) of each key, per reporter host."""
+        """Arrival times (server monotonic clock, up to 16) of each key, per reporter host."""
         host = request.query.get("host", "")
         out = {
-            str(k): t
+            str(k): [first, *r.rearrivals.get(k, ())]
             for r in self.state.reporters.values()
             if r.host_ip_port == host
-            for k, t in r.arrivals.items()
+            for k, first in r.arrivals.items()
         }
         return web.Response(body=P.encode(out), content_type="application/json")
 

@@ -11,7 +11,7 @@ import asyncio
 from typing import Any
 
 from sidecar.kvcm_server import proto as P
-from sidecar.kvcm_server.state import ApiError, Reporter, State, stamp, valid_uri
+from sidecar.kvcm_server.state import ARRIVALS_MAX, ApiError, Reporter, State, stamp, valid_uri
 
 REGISTER, ADD, DELETE, HOST_DOWN, HEARTBEAT, SNAPSHOT = (
     "EVENT_NODE_REGISTER",
@@ -74,11 +74,9 @@ class EventReport:
         self.snapshot_started = asyncio.Event()  # set when a commit begins (tests wait on it)
         self.fail_items = 0  # fault injection: the next N ADD/DELETE items fail, not applied
 
-    async def handle(self, req: dict[str, Any]) -> dict[str, Any]:
+    # ---- the request envelope (shared by the dict and the typed path) --------------------------
+    def _reply(self, iid: Any) -> dict[str, Any]:
         st = self.state
-        iid = req.get("instance_id") or ""
-        host = req.get("host_ip_port") or ""
-        events = req.get("events") or []
         out: dict[str, Any] = {
             "extra_info": "",
             "committed_snapshot_version": "",
@@ -88,6 +86,10 @@ class EventReport:
         inst = st.instances.get(iid) if isinstance(iid, str) else None
         if inst is not None:
             out["extra_info"] = st.groups.get(inst["instance_group"], {}).get("extra_info", "")
+        return out
+
+    @staticmethod
+    def _check_envelope(iid: Any, host: Any, events: Any) -> None:
         if not isinstance(iid, str) or not isinstance(host, str):
             raise ApiError("INVALID_ARGUMENT", "instance_id and host_ip_port must be strings")
         if not iid or not host or "#" in host:
@@ -97,26 +99,25 @@ class EventReport:
             )
         if not isinstance(events, list):
             raise ApiError("INVALID_ARGUMENT", "events must be a list")
-        if not events:
-            return out
-        stype = P.enum_name(req.get("storage_type"), P.STORAGE_TYPES)
+
+    async def _open(
+        self, iid: str, host: str, storage_type: Any, types: list[str | None]
+    ) -> tuple[Reporter, bool, bool]:
+        """The reporter the events apply to: (reporter, created, had a generation before)."""
+        st = self.state
+        stype = P.enum_name(storage_type, P.STORAGE_TYPES)
         if stype is None:
             raise ApiError(
-                "INVALID_ARGUMENT",
-                f"storage_type {req.get('storage_type')!r} is missing or unknown",
+                "INVALID_ARGUMENT", f"storage_type {storage_type!r} is missing or unknown"
             )
         storage = st.storage_for(iid, stype)
-        types = [
-            P.enum_name(e.get("event_type") if isinstance(e, dict) else None, P.EVENT_TYPES)
-            for e in events
-        ]
         n_snap = types.count(SNAPSHOT)
         if n_snap > 1 or (n_snap and (ADD in types or DELETE in types)):
             raise ApiError(
                 "INVALID_ARGUMENT",
                 "a snapshot must not be mixed with another snapshot, ADD or DELETE",
             )
-        if HOST_DOWN in types and len(events) > 1:
+        if HOST_DOWN in types and len(types) > 1:
             raise ApiError("INVALID_ARGUMENT", "HOST_DOWN must be the only event")
         key = (iid, stype, host)
         r = st.reporters.get(key)
@@ -134,39 +135,68 @@ class EventReport:
             st.reporters[key] = r
         if (ADD in types or DELETE in types) and r.snapshot_busy:
             await self._wait_gate(r, storage)
-        results: list[str] = []
-        useful = False
-        for ev, etype in zip(events, types, strict=True):
-            try:
-                if etype == SNAPSHOT:
-                    await self._snapshot(r, ev.get("block_snapshot"), out)
-                elif etype in (ADD, DELETE) and self.fail_items > 0:
-                    self.fail_items -= 1
-                    raise ItemError("INTERNAL_ERROR", "injected item failure")
-                else:
-                    self._apply(r, etype, ev)
-                results.append("OK")
-                useful = True
-            except ItemError as exc:
-                results.append(exc.code)
-                out.setdefault("_messages", []).append(str(exc))
+        return r, created, had_generation
+
+    def _close(
+        self,
+        r: Reporter,
+        created: bool,
+        had_generation: bool,
+        snapshot: bool,
+        results: list[str],
+        messages: list[str],
+        out: dict[str, Any],
+    ) -> dict[str, Any]:
+        st = self.state
+        failed = [c for c in results if c != "OK"]
+        useful = len(failed) < len(results)
         if created and not useful:
-            del st.reporters[key]  # an invalid-only first request creates nothing
-        out["snapshot_required"] = not had_generation and not (n_snap and useful)
+            del st.reporters[r.key]  # an invalid-only first request creates nothing
+        out["snapshot_required"] = not had_generation and not (snapshot and useful)
         if r.version and r.strict:
             out["committed_snapshot_version"] = r.version
-        failed = [c for c in results if c != "OK"]
-        msgs = out.pop("_messages", [])
         if failed:
             out["item_results"] = results
             out["_code"] = failed[0]
             out["_message"] = "ReportEvent partially failed; see item_results: " + "; ".join(
-                msgs[:3]
+                messages[:3]
             )
         st.save_blocks_later()
         return out
 
-    def _apply(self, r: Reporter, etype: str | None, ev: dict[str, Any]) -> None:
+    # ---- the dict path: any spelling, any event type ----------------------------------------
+    async def handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        iid = req.get("instance_id") or ""
+        host = req.get("host_ip_port") or ""
+        events = req.get("events") or []
+        out = self._reply(iid)
+        self._check_envelope(iid, host, events)
+        if not events:
+            return out
+        types = [
+            P.enum_name(e.get("event_type") if isinstance(e, dict) else None, P.EVENT_TYPES)
+            for e in events
+        ]
+        r, created, had_generation = await self._open(iid, host, req.get("storage_type"), types)
+        results: list[str] = []
+        messages: list[str] = []
+        puts = _Puts(self.state, r)
+        for ev, etype in zip(events, types, strict=True):
+            try:
+                if etype == SNAPSHOT:
+                    await self._commit(r, self._snapshot_blocks(r, ev.get("block_snapshot")))
+                elif etype in (ADD, DELETE) and self.fail_items > 0:
+                    self.fail_items -= 1
+                    raise ItemError("INTERNAL_ERROR", "injected item failure")
+                else:
+                    self._apply(r, etype, ev, puts)
+                results.append("OK")
+            except ItemError as exc:
+                results.append(exc.code)
+                messages.append(str(exc))
+        return self._close(r, created, had_generation, SNAPSHOT in types, results, messages, out)
+
+    def _apply(self, r: Reporter, etype: str | None, ev: dict[str, Any], puts: _Puts) -> None:
         st = self.state
         if etype is None:
             raise ItemError("INVALID_ARGUMENT", "unknown event_type")
@@ -190,18 +220,9 @@ class EventReport:
             r.heartbeat_times.append(now)
         elif etype == ADD:
             key, medium = _key_medium(payload)
-            specs = _specs(payload)
-            if r.version is None:
-                r.version = P.new_version()
-            loc = (
-                st.blocks.setdefault(r.instance_id, {})
-                .setdefault(key, {})
-                .setdefault((r.storage_type, medium, r.host_ip_port), {})
-            )
-            for name, uri in specs.items():
-                loc[name] = stamp(uri, r.version)
+            loc = puts.loc(medium)
+            puts.add(key, loc, puts.stamped(_specs(payload)))
             r.mediums.add(medium)
-            st.note_arrival(r, key, now)
         elif etype == DELETE:
             key, medium = _key_medium(payload)
             names = payload.get("spec_names") or []
@@ -211,19 +232,74 @@ class EventReport:
                 or any(not isinstance(n, str) or not n for n in names)
             ):
                 raise ItemError("INVALID_ARGUMENT", "spec_names must be a non-empty list of names")
-            if r.version is None:
-                r.version = P.new_version()
-            locs = st.blocks.get(r.instance_id, {}).get(key)
-            loc_key = (r.storage_type, medium, r.host_ip_port)
-            if locs and loc_key in locs:
-                for n in names:
-                    locs[loc_key].pop(n, None)
-                if not locs[loc_key]:
-                    del locs[loc_key]
-                if not locs:
-                    del st.blocks[r.instance_id][key]
+            puts.delete(key, puts.loc(medium), names)
         elif etype == HOST_DOWN:
             st.tombstone(r)
+
+    # ---- the typed path: snake_case ADD/DELETE batches and snapshots --------------------------
+    async def handle_typed(self, req: P.TReport, types: list[str]) -> dict[str, Any]:
+        out = self._reply(req.instance_id)
+        self._check_envelope(req.instance_id, req.host_ip_port, req.events)
+        if not req.events:
+            return out
+        typed: list[str | None] = list(types)
+        r, created, had_generation = await self._open(
+            req.instance_id, req.host_ip_port, req.storage_type, typed
+        )
+        results: list[str] = []
+        messages: list[str] = []
+        if types[0] == SNAPSHOT:  # then it is the only event (_open)
+            snap = req.events[0].block_snapshot
+            assert snap is not None  # decode_report checked
+            try:
+                await self._commit(r, self._typed_snapshot_blocks(r, snap))
+                results.append("OK")
+            except ItemError as exc:
+                results.append(exc.code)
+                messages.append(str(exc))
+            return self._close(r, created, had_generation, True, results, messages, out)
+        puts = _Puts(self.state, r)
+        add, ok = puts.add, "OK"
+        # The publisher repeats one medium and one spec list: resolve them when they change.
+        medium: str | None = None
+        specs: tuple[P.TSpec, ...] | None = None
+        loc: tuple[str, str, str] = ("", "", "")
+        stamped: dict[str, str] = {}
+        for ev, etype in zip(req.events, types, strict=True):
+            try:
+                if self.fail_items > 0:
+                    self.fail_items -= 1
+                    raise ItemError("INTERNAL_ERROR", "injected item failure")
+                if etype == ADD:
+                    a = ev.block_add
+                    assert a is not None  # decode_report checked
+                    text = a.block_key
+                    if text.isdigit() and text.isascii() and len(text) < 19:
+                        key = int(text)
+                    else:
+                        key = _typed_key(text)
+                    if a.medium != medium:
+                        loc = puts.loc(a.medium)
+                        medium = a.medium
+                        r.mediums.add(medium)
+                    if a.specs != specs:
+                        stamped = puts.stamped(_typed_specs(a.specs))
+                        specs = a.specs
+                    add(key, loc, stamped)
+                else:
+                    d = ev.block_delete
+                    assert d is not None
+                    key, dloc = _typed_key(d.block_key), puts.loc(d.medium)
+                    if not d.spec_names or not all(d.spec_names):
+                        raise ItemError(
+                            "INVALID_ARGUMENT", "spec_names must be a non-empty list of names"
+                        )
+                    puts.delete(key, dloc, d.spec_names)
+                results.append(ok)
+            except ItemError as exc:
+                results.append(exc.code)
+                messages.append(str(exc))
+        return self._close(r, created, had_generation, False, results, messages, out)
 
     async def _wait_gate(self, r: Reporter, storage: dict[str, Any]) -> None:
         gate = self.gates.setdefault(r.key, asyncio.Event())
@@ -236,13 +312,10 @@ class EventReport:
                 "SNAPSHOT_IN_PROGRESS", "a snapshot is committing; retry the deltas"
             ) from None
 
-    async def _snapshot(self, r: Reporter, payload: Any, out: dict[str, Any]) -> None:
-        st = self.state
-        if not isinstance(payload, dict):
-            raise ItemError("INVALID_ARGUMENT", "EVENT_BLOCK_SNAPSHOT needs block_snapshot")
+    def _may_snapshot(self, r: Reporter) -> None:
         if r.snapshot_busy:
             raise ApiError("SNAPSHOT_IN_PROGRESS", "another snapshot is committing")
-        left = st.snapshot_interval_left_ms(r)
+        left = self.state.snapshot_interval_left_ms(r)
         if left > 0:
             raise ApiError(
                 "SNAPSHOT_RATE_LIMITED",
@@ -250,6 +323,11 @@ class EventReport:
                 retry_after_ms=str(left),
                 committed_snapshot_version=r.version if r.strict and r.version else "",
             )
+
+    def _snapshot_blocks(self, r: Reporter, payload: Any) -> dict[tuple[int, str], dict[str, str]]:
+        if not isinstance(payload, dict):
+            raise ItemError("INVALID_ARGUMENT", "EVENT_BLOCK_SNAPSHOT needs block_snapshot")
+        self._may_snapshot(r)
         outer_medium = payload.get("medium")
         blocks: dict[tuple[int, str], dict[str, str]] = {}
         for b in payload.get("blocks") or []:
@@ -261,6 +339,38 @@ class EventReport:
             if (key, medium) in blocks:
                 raise ItemError("INVALID_ARGUMENT", f"block {key} medium {medium} appears twice")
             blocks[(key, medium)] = _specs(b)
+        return blocks
+
+    def _typed_snapshot_blocks(
+        self, r: Reporter, snap: P.TSnapshot
+    ) -> dict[tuple[int, str], dict[str, str]]:
+        self._may_snapshot(r)
+        blocks: dict[tuple[int, str], dict[str, str]] = {}
+        outer = snap.medium
+        checked: str | None = None
+        specs: tuple[P.TSpec, ...] | None = None
+        spec_dict: dict[str, str] = {}
+        for b in snap.blocks:
+            text = b.block_key
+            if text.isdigit() and text.isascii() and len(text) < 19:
+                key = int(text)
+            else:
+                key = _typed_key(text)
+            medium = b.medium if b.medium is not None else outer or ""
+            if medium != checked:
+                if not medium or "#" in medium:
+                    raise ItemError("INVALID_ARGUMENT", f"medium {medium!r} is invalid")
+                checked = medium
+            if (key, medium) in blocks:
+                raise ItemError("INVALID_ARGUMENT", f"block {key} medium {medium} appears twice")
+            if b.specs != specs:
+                spec_dict = _typed_specs(b.specs)
+                specs = b.specs
+            blocks[(key, medium)] = spec_dict
+        return blocks
+
+    async def _commit(self, r: Reporter, blocks: dict[tuple[int, str], dict[str, str]]) -> None:
+        st = self.state
         r.snapshot_busy = True
         gate = self.gates.setdefault(r.key, asyncio.Event())
         gate.clear()
@@ -270,16 +380,139 @@ class EventReport:
                 await asyncio.sleep(self.commit_delay_s)  # fault injection: a slow commit
             version = P.new_version()
             inst_blocks = st.blocks.setdefault(r.instance_id, {})
+            stamped = _Stamper(version)
+            locs: dict[str, tuple[str, str, str]] = {}
+            now = st.clock()
             for (key, medium), specs in blocks.items():
-                inst_blocks.setdefault(key, {})[(r.storage_type, medium, r.host_ip_port)] = {
-                    n: stamp(u, version) for n, u in specs.items()
-                }
-                r.mediums.add(medium)
-                st.note_arrival(r, key, st.clock())
+                loc = locs.get(medium)
+                if loc is None:
+                    loc = locs[medium] = (r.storage_type, medium, r.host_ip_port)
+                    r.mediums.add(medium)
+                at = inst_blocks.get(key)
+                if at is None:
+                    inst_blocks[key] = {loc: stamped(specs)}
+                else:
+                    at[loc] = stamped(specs)
+                st.note_arrival(r, key, now)
             st.gc_reporter(r, keep_version=version)  # omitted blocks vanish at once
             r.version = version
+            r.stamper = stamped
             r.strict = True
             r.last_commit = st.clock()
         finally:
             r.snapshot_busy = False
             gate.set()
+
+
+class _Stamper:
+    """Stamped spec dicts, one per distinct spec dict, shared by every block that uses it.
+
+    Block metadata dicts are never mutated in place (every writer replaces them), so sharing is
+    safe; it saves one dict and one URI string per block. The cache holds the spec dict itself,
+    so its id cannot be reused while cached.
+    """
+
+    __slots__ = ("cache", "version")
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+        self.cache: dict[int, tuple[dict[str, str], dict[str, str]]] = {}
+
+    def __call__(self, specs: dict[str, str]) -> dict[str, str]:
+        hit = self.cache.get(id(specs))
+        if hit is None or hit[0] is not specs:
+            hit = self.cache[id(specs)] = (
+                specs,
+                {n: stamp(u, self.version) for n, u in specs.items()},
+            )
+        return hit[1]
+
+
+class _Puts:
+    """ADD and DELETE of one request against one reporter (last op wins per key/medium/spec)."""
+
+    __slots__ = ("blocks", "locs", "now", "r", "st", "stamper")
+
+    def __init__(self, st: State, r: Reporter) -> None:
+        self.st = st
+        self.r = r
+        self.blocks = st.blocks.setdefault(r.instance_id, {})
+        self.now = st.clock()  # one arrival time per request: its events arrived together
+        self.locs: dict[str, tuple[str, str, str]] = {}
+        self.stamper: _Stamper | None = None
+
+    def loc(self, medium: str) -> tuple[str, str, str]:
+        """The location key of `medium` for this reporter (checked once per request)."""
+        loc = self.locs.get(medium)
+        if loc is None:
+            if not medium or "#" in medium:
+                raise ItemError("INVALID_ARGUMENT", f"medium {medium!r} is invalid")
+            r = self.r
+            loc = self.locs[medium] = (r.storage_type, medium, r.host_ip_port)
+        return loc
+
+    def _version(self) -> _Stamper:
+        r = self.r
+        if r.version is None:
+            r.version = P.new_version()  # the first delta opens a (soft) generation
+        stamper: _Stamper | None = r.stamper
+        if stamper is None or stamper.version != r.version:
+            stamper = r.stamper = _Stamper(r.version)
+        self.stamper = stamper
+        return stamper
+
+    def stamped(self, specs: dict[str, str]) -> dict[str, str]:
+        return (self.stamper or self._version())(specs)
+
+    def add(self, key: int, loc: tuple[str, str, str], stamped: dict[str, str]) -> None:
+        """Store `stamped` (from `stamped()`) at `loc` (from `loc()`) of block `key`."""
+        at = self.blocks.get(key)
+        if at is None:
+            self.blocks[key] = {loc: stamped}
+        else:
+            old = at.get(loc)
+            if old is not stamped:
+                at[loc] = stamped if old is None else {**old, **stamped}
+        arrivals = self.r.arrivals  # State.note_arrival, inlined: this is the hot loop
+        if key not in arrivals:
+            if len(arrivals) < ARRIVALS_MAX:
+                arrivals[key] = self.now
+        else:
+            self.st.note_arrival(self.r, key, self.now)
+
+    def delete(self, key: int, loc: tuple[str, str, str], names: Any) -> None:
+        self._version()
+        at = self.blocks.get(key)
+        old = at.get(loc) if at else None
+        if at is None or old is None:
+            return  # idempotent: nothing stored there
+        rest = {n: u for n, u in old.items() if n not in names}
+        if rest:
+            at[loc] = rest
+        else:
+            del at[loc]
+            if not at:
+                del self.blocks[key]
+
+
+_TYPED_SPECS: dict[tuple[P.TSpec, ...], dict[str, str]] = {}
+
+
+def _typed_specs(specs: tuple[P.TSpec, ...]) -> dict[str, str]:
+    out = _TYPED_SPECS.get(specs)
+    if out is None:
+        out = _specs({"specs": [{"name": s.name, "uri": s.uri} for s in specs]})
+        if len(_TYPED_SPECS) < 1024:
+            _TYPED_SPECS[specs] = out  # publishers repeat one spec list for every block
+    return out
+
+
+def _typed_key(text: str) -> int:
+    if text.isdigit() and text.isascii():
+        v = int(text)
+        if v < 1 << 63:
+            return v
+    key = P.parse_block_key(text)
+    if key is None:
+        raise ItemError("INVALID_ARGUMENT", f"block_key {text!r} is invalid")
+    return key

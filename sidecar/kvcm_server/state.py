@@ -18,6 +18,7 @@ from typing import Any
 from sidecar.kvcm_server import proto as P
 
 Clock = Callable[[], float]
+ARRIVALS_MAX = 200_000  # keys per reporter whose arrival times are kept (for /debug/arrivals)
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+._-]*://")  # KVCM accepts event_report://
 
 DEFAULT_EVENT_REPORT = {
@@ -53,8 +54,12 @@ class Reporter:
     last_commit: float | None = None  # for the snapshot rate limit
     snapshot_busy: bool = False
     system_status: dict[str, str] = field(default_factory=dict)
-    arrivals: dict[int, list[float]] = field(default_factory=dict)
+    # When keys arrived (for the demo's event->KVCM latency): the first time as a bare float
+    # (no tracked object per key), later ones in `rearrivals`.
+    arrivals: dict[int, float] = field(default_factory=dict)
+    rearrivals: dict[int, list[float]] = field(default_factory=dict)
     heartbeat_times: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    stamper: Any = None  # report._Stamper of `version`: blocks of one spec list share a dict
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -81,7 +86,8 @@ class State:
         self.storages: dict[str, dict[str, Any]] = {}
         self.groups: dict[str, dict[str, Any]] = {}
         self.instances: dict[str, dict[str, Any]] = {}
-        # blocks[instance][key][(storage_type, medium, host)][spec] = stamped uri
+        # blocks[instance][key][(storage_type, medium, host)][spec] = stamped uri. The innermost
+        # dicts are shared between blocks (report._Stamper): replace them, never mutate them.
         self.blocks: dict[str, dict[int, dict[tuple[str, str, str], dict[str, str]]]] = {}
         self.reporters: dict[tuple[str, str, str], Reporter] = {}
         self.dirty = False
@@ -261,13 +267,18 @@ class State:
     def gc_reporter(self, r: Reporter, keep_version: str | None = None) -> None:
         """Drop the reporter's metadata (all of it, or every spec not stamped keep_version)."""
         keys = self.blocks.get(r.instance_id, {})
+        suffix = f"s_version={keep_version}"
         for k in list(keys):
             locs = keys[k]
             for loc in [
                 loc for loc in locs if loc[0] == r.storage_type and loc[2] == r.host_ip_port
             ]:
                 if keep_version is not None:
-                    specs = {n: u for n, u in locs[loc].items() if uri_version(u) == keep_version}
+                    # stamp() puts s_version last, and publishers' URIs never carry one.
+                    old = locs[loc]
+                    specs = {n: u for n, u in old.items() if u.endswith(suffix)}
+                    if len(specs) == len(old):
+                        continue  # dicts may be shared between blocks: replace, never mutate
                     if specs:
                         locs[loc] = specs
                         continue
@@ -285,13 +296,16 @@ class State:
         return not (r.strict and r.version not in versions)
 
     def note_arrival(self, r: Reporter, key: int, now: float) -> None:
-        """When a key arrived from a reporter (for the demo's event->KVCM latency)."""
-        times = r.arrivals.get(key)
-        if times is None:
-            if len(r.arrivals) < 200_000:
-                r.arrivals[key] = [now]
-        elif len(times) < 16:
-            times.append(now)
+        """When a key arrived from a reporter (up to 16 times per key, ARRIVALS_MAX keys)."""
+        if key not in r.arrivals:
+            if len(r.arrivals) < ARRIVALS_MAX:
+                r.arrivals[key] = now
+            return
+        more = r.rearrivals.get(key)
+        if more is None:
+            r.rearrivals[key] = [now]
+        elif len(more) < 15:
+            more.append(now)
 
     def snapshot_interval_left_ms(self, r: Reporter) -> int:
         if r.last_commit is None:

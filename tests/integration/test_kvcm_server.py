@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine_hook.rolling_hash import block_keys
+from sidecar.kvcm_server import proto as P
 from sidecar.kvcm_server.app import KvcmServer
 
 IID = "inst"
@@ -668,3 +669,111 @@ async def test_liveness_configured_through_add_storage_route(clock: FakeClock) -
         clock.t += 0.5
         assert await api.visible() == [1]  # the new timeout applies
         await runner.cleanup()
+
+
+# ---- the typed fast path and the dict path answer alike ------------------------------------
+def _camel(obj: Any) -> Any:
+    """The same message in lowerCamelCase: forces the generic dict path."""
+    if isinstance(obj, dict):
+        return {
+            (k.split("_")[0] + "".join(p.title() for p in k.split("_")[1:])): _camel(v)
+            for k, v in obj.items()
+        }
+    if isinstance(obj, list):
+        return [_camel(v) for v in obj]
+    return obj
+
+
+KEY_TEXT = st.one_of(
+    st.integers(0, 5).map(str),
+    st.integers(0, 5).map(lambda k: f"000{k}"),  # leading zeros are the same key
+    st.sampled_from(["18446744073709551615", "9223372036854775808", "-3", "1" * 21, "+1", "x"]),
+)
+MEDIUM = st.sampled_from(["hbm", "dram", "", "a#b"])
+URI = st.sampled_from(["event_report://h/a", "event_report://h/b?x=1", "bad", "e://s_version=1"])
+
+
+def _event(draw: st.DrawFn) -> dict[str, Any]:
+    kind = draw(st.sampled_from(["add", "add", "delete", 2, 3]))
+    key, medium = draw(KEY_TEXT), draw(MEDIUM)
+    names = draw(st.sampled_from([["full"], ["full", "other"], [], [""]]))
+    if kind in ("add", 2):
+        specs = [{"name": n or "full", "uri": draw(URI)} for n in names[:1] or ["full"]]
+        body = {"block_key": key, "medium": medium, "specs": specs}
+        return {"event_type": "EVENT_BLOCK_ADD" if kind == "add" else 2, "block_add": body}
+    body = {"block_key": key, "medium": medium, "spec_names": names}
+    return {"event_type": "EVENT_BLOCK_DELETE" if kind == "delete" else 3, "block_delete": body}
+
+
+def _typed_request(draw: st.DrawFn) -> list[dict[str, Any]]:
+    if draw(st.integers(0, 4)) == 0:
+        keys = draw(st.lists(KEY_TEXT, max_size=4))
+        blocks = [
+            {"block_key": k, "medium": draw(MEDIUM), "specs": [{"name": "full", "uri": draw(URI)}]}
+            for k in keys
+        ]
+        return [{"event_type": "EVENT_BLOCK_SNAPSHOT", "block_snapshot": {"blocks": blocks}}]
+    return [draw(st.composite(_event)()) for _ in range(draw(st.integers(1, 5)))]
+
+
+def _state_view(server: KvcmServer) -> dict[str, Any]:
+    """Block metadata with generation versions replaced by their order of appearance."""
+    versions: dict[str, str] = {}
+
+    def norm(uri: str) -> str:
+        head, _, v = uri.partition("s_version=")
+        return head + "v" + versions.setdefault(v, str(len(versions)))
+
+    return {
+        iid: {
+            k: {loc: {n: norm(u) for n, u in sorted(sp.items())} for loc, sp in sorted(ls.items())}
+            for k, ls in sorted(keys.items())
+        }
+        for iid, keys in server.state.blocks.items()
+        if keys
+    }
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+async def test_report_typed_fast_path_answers_exactly_as_the_dict_path(
+    clock: FakeClock, data: st.DataObject
+) -> None:
+    er = {"snapshot_min_interval_ms": 0}
+    fast, slow = (KvcmServer(clock=clock, bootstrap=True, event_report=er) for _ in range(2))
+    async with aiohttp.ClientSession() as session:
+        (a, ra), (b, rb) = [await start(s, session) for s in (fast, slow)]
+        try:
+            await _compare_paths(a, b, data)
+        finally:
+            await ra.cleanup()
+            await rb.cleanup()
+    assert _state_view(fast) == _state_view(slow)
+
+
+async def _compare_paths(a: Api, b: Api, data: st.DataObject) -> None:
+    typed_seen = 0
+    for x in (a, b):
+        assert code(await x("registerInstance", REG)) == "OK"
+    for _ in range(data.draw(st.integers(1, 6))):
+        events = data.draw(st.composite(_typed_request)())
+        body = {
+            "trace_id": "t",
+            "instance_id": IID,
+            "host_ip_port": HOST,
+            "storage_type": "ST_EVENT_REPORT_L1P5",
+            "events": events,
+        }
+        raw = msgspec.json.encode(body)
+        typed_seen += P.decode_report(raw) is not None
+        st_a, resp_a = await a.raw("reportEvent", raw)
+        st_b, resp_b = await b.raw("reportEvent", msgspec.json.encode(_camel(body)))
+        assert st_a == st_b
+        for resp in (resp_a, resp_b):
+            if resp.get("committed_snapshot_version"):
+                resp["committed_snapshot_version"] = "V"
+        assert resp_a == resp_b
+    assert await a.visible() == await b.visible()
+    assert typed_seen  # the property is about the typed path: it must have been taken
