@@ -26,7 +26,6 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-from aiohttp import web
 
 from sidecar.key_state import KeyState
 from sidecar.kvcm_client import wire as W
@@ -111,28 +110,25 @@ def ingest(rate: float, seconds: float) -> dict[str, float]:
     }
 
 
-async def _null_server() -> tuple[web.AppRunner, str]:
-    ok = W.encode({"header": {"status": {"code": "OK", "message": ""}}, "retry_after_ms": "0"})
-
-    async def handle(request: web.Request) -> web.Response:
-        await request.read()
-        return web.Response(body=ok, content_type="application/json")
-
-    app = web.Application(client_max_size=1 << 30)
-    app.router.add_post("/api/{route}", handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+def _listening(c: Child) -> str:
+    """The URL a server child prints on its "listening on" line."""
+    assert c.p.stdout is not None
+    while True:
+        line = c.p.stdout.readline()
+        if not line:
+            raise EOFError("server exited")
+        if "listening on" in line:
+            return line.rsplit(" ", 1)[1].strip()
 
 
 def _kvcm_server(extra: tuple[str, ...] = ()) -> tuple[Child, str]:
     c = Child(PY, "-m", "sidecar.cli", "kvcm-server", "--meta-port", "0", "--bootstrap", *extra)
-    assert c.p.stdout is not None
-    while True:
-        line = c.p.stdout.readline()
-        if "listening on" in line:
-            return c, line.rsplit(" ", 1)[1].strip()
+    return c, _listening(c)
+
+
+def _null_server() -> tuple[Child, str]:
+    c = Child(PY, "-m", "bench.null_server")
+    return c, _listening(c)
 
 
 async def reporting(base: str, n_keys: int, batch: int) -> float:
@@ -160,9 +156,15 @@ async def reporting(base: str, n_keys: int, batch: int) -> float:
         keys.apply(reader.read().records)
         while keys.dirty:
             taken = keys.take_batch(batch)
-            adds = [k for k, p in taken if p]
             body = W.encode_deltas(
-                "t", "bench", "127.0.0.1:8000", "ST_EVENT_REPORT_L1P5", adds, [], "hbm", SPEC
+                "t",
+                "bench",
+                "127.0.0.1:8000",
+                "ST_EVENT_REPORT_L1P5",
+                taken.adds,
+                taken.deletes,
+                "hbm",
+                SPEC,
             )
             r = await client.post("reportEvent", body, 30)
             assert r.ok, r.reason
@@ -174,10 +176,16 @@ async def reporting(base: str, n_keys: int, batch: int) -> float:
 
 
 async def snapshot_1m(base: str) -> dict[str, float]:
-    keys = list(range(1, 1_000_001))
+    """Build (key state -> published keys -> JSON) and send a snapshot of 1M random keys."""
+    rng = np.random.default_rng(7)
+    keys = KeyState((0,))
+    keys.replace(
+        rng.integers(-(2**63), 2**63 - 1, 1_000_000, np.int64), np.ones(1_000_000, np.uint32)
+    )
     t0 = time.perf_counter()
+    published = keys.published_keys()
     body = W.encode_snapshot(
-        "t", "bench", "127.0.0.1:8000", "ST_EVENT_REPORT_L1P5", keys, "hbm", SPEC
+        "t", "bench", "127.0.0.1:8000", "ST_EVENT_REPORT_L1P5", published, "hbm", SPEC
     )
     t1 = time.perf_counter()
     async with aiohttp.ClientSession() as s:
@@ -185,6 +193,7 @@ async def snapshot_1m(base: str) -> dict[str, float]:
     t2 = time.perf_counter()
     assert r.ok
     return {
+        "snapshot_1m_keys": float(len(published)),
         "snapshot_1m_encode_s": t1 - t0,
         "snapshot_1m_send_s": t2 - t1,
         "snapshot_1m_bytes": float(len(body)),
@@ -325,18 +334,18 @@ def main() -> None:
     res: dict[str, Any] = {}
     res.update(ingest(2_000_000, 1.0 if q else 3.0))
 
-    async def http_part() -> None:
-        runner, null = await _null_server()
-        try:
-            res["report_null_keys_per_s"] = await reporting(null, 50_000 if q else 300_000, 1000)
-            res["report_null_keys_per_s_batch5000"] = await reporting(
-                null, 50_000 if q else 300_000, 5000
-            )
-            res.update(await snapshot_1m(null))
-        finally:
-            await runner.cleanup()
+    async def http_part(null: str) -> None:
+        res["report_null_keys_per_s"] = await reporting(null, 50_000 if q else 300_000, 1000)
+        res["report_null_keys_per_s_batch5000"] = await reporting(
+            null, 50_000 if q else 300_000, 5000
+        )
+        res.update(await snapshot_1m(null))
 
-    asyncio.run(http_part())
+    nullc, null = _null_server()
+    try:
+        asyncio.run(http_part(null))
+    finally:
+        nullc.stop()
     kvcm, base = _kvcm_server(("--snapshot-min-interval-ms", "0"))
     try:
         res["report_kvcm_keys_per_s"] = asyncio.run(reporting(base, 20_000 if q else 100_000, 1000))

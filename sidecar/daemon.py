@@ -143,7 +143,7 @@ class Daemon:
 
     async def _run_with_ring(self, reader: RingReader) -> int:
         cfg = self.cfg
-        keys = KeyState()
+        keys = KeyState(clock=self.clock)
         sync = EngineSync(
             reader, keys, snapshot_timeout_s=cfg.ring.engine_snapshot_timeout_s, clock=self.clock
         )
@@ -185,12 +185,19 @@ class Daemon:
         full_every = self.cfg.engine.watch_interval_s
         last_full = 0.0
         delay = busy
+        last_poll = self.clock()
         while True:
             now = self.clock()
             full = now - last_full >= full_every
             if full:
                 last_full = now
+            was_dirty = bool(sync.keys.dirty)
             r = sync.step(full=full)
+            if r.records and not was_dirty and sync.keys.dirty:
+                # These records reached the ring after the previous poll: start the flush
+                # window there, so it bounds the time a change waits in ring + sidecar.
+                sync.keys.dirty_since = last_poll
+            last_poll = now
             if r.records or r.resynced:
                 self.work.set()
             delay = busy if r.records else min(delay * 2, idle)
@@ -199,12 +206,21 @@ class Daemon:
     async def _report_loop(self, p: Publisher) -> None:
         window = self.cfg.report.flush_window_s
         while True:
-            if (
+            while (
                 window
                 and p.state == State.READY
                 and 0 < len(p.keys.dirty) < self.cfg.report.batch_max_keys
             ):
-                await self.sleep(window)  # the flush window: let a batch fill up
+                # The flush window: let a batch fill up, but send once it is full, and let no
+                # change wait longer than the window from when it became dirty (not from when
+                # the last request ended). Every drained ring read sets `work`.
+                wait = p.keys.dirty_since + window - self.clock()
+                if wait <= 0:
+                    break
+                self.work.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait):
+                        await self.work.wait()
             if await p.data_step():
                 continue
             self.work.clear()

@@ -10,7 +10,8 @@ operation works on whole batches.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -36,8 +37,46 @@ class _Size:
         return self.n > 0
 
 
+class Batch:
+    """Keys taken for one delta request: adds first, then deletes (the item_results order)."""
+
+    __slots__ = ("epoch", "keys", "pos", "publish")
+
+    def __init__(
+        self, keys: np.ndarray, publish: np.ndarray, pos: np.ndarray | None = None, epoch: int = -1
+    ) -> None:
+        self.keys = keys  # int64 bit patterns
+        self.publish = publish  # bool: ADD (True) or DELETE (False)
+        self.pos = pos  # dense positions in the key state of `epoch` (saves a lookup)
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def adds(self) -> np.ndarray:
+        out: np.ndarray = self.keys[self.publish]
+        return out
+
+    @property
+    def deletes(self) -> np.ndarray:
+        out: np.ndarray = self.keys[~self.publish]
+        return out
+
+    def pairs(self) -> list[tuple[int, bool]]:
+        """(key, publish?) per item, for tests and diagnostics."""
+        return list(zip(self.keys.tolist(), self.publish.tolist(), strict=True))
+
+
+_EMPTY = Batch(np.zeros(0, np.int64), np.zeros(0, np.bool_))
+
+
 class KeyState:
-    def __init__(self, required_groups: Iterable[int] = (0,)) -> None:
+    def __init__(
+        self, required_groups: Iterable[int] = (0,), clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.clock = clock
+        self.dirty_since = 0.0  # when the dirty queue last went from empty to non-empty
         self.required = sum(1 << g for g in set(required_groups)) or 1
         self.published_count = 0
         self._alloc(_MIN_CAP)
@@ -49,6 +88,7 @@ class KeyState:
     _COLUMNS = ("_masks", "_acked", "_queued")
 
     def _alloc(self, cap: int) -> None:
+        self._epoch = getattr(self, "_epoch", 0) + 1  # dense positions change with the index
         self._idx = KeyIndex(cap)
         size = len(self._idx.keys)
         self._masks = np.zeros(size, np.int64)
@@ -100,6 +140,8 @@ class KeyState:
     def _mark_dirty(self, pos: np.ndarray) -> None:
         pos = pos[~self._queued[pos]]
         if len(pos):
+            if not self._ndirty:
+                self.dirty_since = self.clock()
             self._queued[pos] = True
             self._queue.append(pos)
             self._ndirty += len(pos)
@@ -133,9 +175,9 @@ class KeyState:
         n = self._n
         return set(self._keys[:n][self._acked[:n]].tolist())
 
-    def published_keys(self) -> list[int]:
+    def published_keys(self) -> np.ndarray:
         n = self._n
-        keys: list[int] = self._keys[:n][self._published(self._masks[:n])].tolist()
+        keys: np.ndarray = self._keys[:n][self._published(self._masks[:n])]
         return keys
 
     # ---- engine side --------------------------------------------------------------------
@@ -194,10 +236,10 @@ class KeyState:
         self._mark_dirty(np.flatnonzero(was != now))
 
     # ---- KVCM side ----------------------------------------------------------------------
-    def take_batch(self, limit: int) -> list[tuple[int, bool]]:
-        """Up to `limit` (key, publish?) pairs whose state differs from `acked`, in order."""
-        out_k: list[np.ndarray] = []
+    def take_batch(self, limit: int) -> Batch:
+        """Up to `limit` keys whose state differs from `acked`, oldest first; adds, then deletes."""
         out_p: list[np.ndarray] = []
+        out_pos: list[np.ndarray] = []
         got = 0
         while self._queue and got < limit:
             head = self._queue[0]
@@ -211,25 +253,27 @@ class KeyState:
             self._ndirty -= len(take)
             pub = self._published(self._masks[take])
             differ = pub != self._acked[take]  # never re-send an unchanged key
-            out_k.append(self._keys[take[differ]])
+            out_pos.append(take[differ])
             out_p.append(pub[differ])
             got += int(differ.sum())
-        if not out_k:
-            return []
-        keys = np.concatenate(out_k).tolist()
-        pubs = np.concatenate(out_p).tolist()
-        return list(zip(keys, pubs, strict=True))
+        if not out_pos:
+            return _EMPTY
+        pos, pubs = np.concatenate(out_pos), np.concatenate(out_p)
+        order = np.argsort(~pubs, kind="stable")  # each key once, so ADD/DELETE order is free
+        pos = pos[order]
+        return Batch(self._keys[pos], pubs[order], pos, self._epoch)
 
-    def confirm(self, sent: list[tuple[int, bool]], failed: Iterable[int] = ()) -> None:
+    def confirm(self, sent: Batch, failed: Iterable[int] = ()) -> None:
         """KVCM applied `sent` except the items at `failed` indexes, which go back in front."""
-        if not sent:
+        if not len(sent):
             return
         bad = np.zeros(len(sent), np.bool_)
         failed_idx = sorted(set(failed))
         bad[failed_idx] = True
-        keys = np.array([k for k, _ in sent], np.int64)
-        pubs = np.array([p for _, p in sent], np.bool_)
-        pos = self._find(keys, insert=True)
+        keys, pubs = sent.keys, sent.publish
+        pos = sent.pos if sent.epoch == self._epoch else None
+        if pos is None:  # compacted while in flight: look the keys up again
+            pos = self._find(keys, insert=True)
         ok = ~bad
         p_ok = pos[ok]
         self._nacked += int(pubs[ok].sum()) - int(self._acked[p_ok].sum())
@@ -238,22 +282,24 @@ class KeyState:
         moved = p_ok[self._published(self._masks[p_ok]) != pubs[ok]]
         self._mark_dirty(moved)
         if failed_idx:
-            self.requeue_front([sent[i][0] for i in failed_idx])
+            self.requeue_front(keys[failed_idx])
 
-    def requeue_front(self, keys: list[int]) -> None:
-        pos = self._find(np.array(keys, np.int64), insert=True)
+    def requeue_front(self, keys: np.ndarray) -> None:
+        pos = self._find(keys, insert=True)
         pos = pos[~self._queued[pos]]
         if len(pos):
+            if not self._ndirty:
+                self.dirty_since = self.clock()
             self._queued[pos] = True
             self._queue.insert(0, pos)
             self._ndirty += len(pos)
 
-    def commit_snapshot(self, sent: set[int]) -> None:
-        """KVCM now holds exactly `sent`; whatever changed since is dirty."""
+    def commit_snapshot(self, sent: np.ndarray) -> None:
+        """KVCM now holds exactly `sent` (distinct keys); whatever changed since is dirty."""
         n = self._n
         self._acked[:n] = False
-        if sent:
-            pos = self._find(np.fromiter(sent, np.int64, len(sent)), insert=True)
+        if len(sent):
+            pos = self._find(sent, insert=True)
             self._acked[pos] = True
         n = self._n
         self._nacked = len(sent)

@@ -147,7 +147,9 @@ class Publisher:
         )
         return W.encode(req)
 
-    async def _send(self, route: str, op: str, payload: bytes, timeout_s: float) -> Result:
+    async def _send(
+        self, route: str, op: str, payload: bytes | memoryview, timeout_s: float
+    ) -> Result:
         result = await self.client.post(route, payload, timeout_s)
         self.counters[f"{op}:{result.reason}"] += 1
         if self.on_request is not None:
@@ -373,7 +375,7 @@ class Publisher:
             self._fail("snapshot", result)
             return
         self._ok(result)
-        self.keys.commit_snapshot(set(keys))
+        self.keys.commit_snapshot(keys)
         self.need_snapshot = False
         self.last_snapshot_at = self.clock()
         self.counters["snapshots_committed"] += 1
@@ -382,22 +384,17 @@ class Publisher:
     async def send_deltas(self) -> None:
         d = self.descriptor
         assert d is not None
-        taken = self.keys.take_batch(self.cfg.report.batch_max_keys)
-        if not taken:
+        batch = self.keys.take_batch(self.cfg.report.batch_max_keys)
+        if not len(batch):
             return
-        adds = [k for k, pub in taken if pub]
-        deletes = [k for k, pub in taken if not pub]
-        # Adds first, then deletes (each key once, so order between keys is free); `batch`
-        # keeps that order so item_results indexes map back to keys.
-        batch = [(k, True) for k in adds] + [(k, False) for k in deletes]
         i = self.cfg.identity
         payload = W.encode_deltas(
             self.trace_id("delta"),
             i.instance_id,
             self.host_ip_port,
             i.storage_type,
-            adds,
-            deletes,
+            batch.adds,  # adds first, then deletes: item_results indexes map back to batch
+            batch.deletes,
             d.medium,
             self._spec(),
         )

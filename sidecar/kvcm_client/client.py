@@ -157,7 +157,7 @@ class KvcmClient:
         self.base = endpoint.rstrip("/")
         self.max_response_bytes = max_response_bytes
 
-    async def post(self, route: str, payload: bytes, timeout_s: float) -> Result:
+    async def post(self, route: str, payload: bytes | memoryview, timeout_s: float) -> Result:
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):

@@ -1,6 +1,6 @@
 """msgspec structs for the KVCM requests the sidecar sends and the responses it reads.
 
-Imports: msgspec only. Requests are proto3-JSON in snake_case with enum names and block keys as
+Imports: msgspec and numpy. Requests are proto3-JSON in snake_case with enum names and block keys as
 decimal text (contract §3-§4). Responses are decoded leniently: 64-bit numbers may be strings or
 numbers, codes names or numbers, unknown fields ignored. `docs/wire.md` documents both.
 """
@@ -11,6 +11,7 @@ import functools
 from typing import Any
 
 import msgspec
+import numpy as np
 
 
 class Spec(msgspec.Struct, omit_defaults=True):
@@ -168,43 +169,87 @@ def decode_response(body: bytes) -> Response:
 
 
 # ---- fast paths for large requests --------------------------------------------------------
-# One Struct per key costs ~3 us here; a 1M-key snapshot would take seconds to build. These
-# build exactly the same JSON by joining msgspec-encoded fragments: keys are decimal digits,
-# so nothing in them needs escaping. tests/unit/test_wire.py pins the equality.
-def _fragments(event: Event, key_field: str) -> tuple[str, str]:
+# One Struct per key costs ~3 us here; a 1M-key snapshot would take seconds to build, and even
+# one Python int and str per key leaves ~100 B/key of allocator arenas behind. These build the
+# same JSON straight from the key arrays: KVCM reads block_key as unsigned decimal text and
+# canonicalises leading zeros (contract §4.2, §12), so every key is written as exactly 20
+# digits, every block's JSON has one fixed width, and a whole body is one (n, width) byte array
+# filled column-wise. tests/unit/test_wire.py pins that the result decodes to the Struct form.
+KEY_DIGITS = 20
+# "0000".."9999" as one little-endian uint32 word each: a 4-digit group is one gather.
+_LUT = np.frombuffer("".join(f"{i:04d}" for i in range(10_000)).encode(), np.uint32)
+_E16, _E8, _E4 = np.uint64(10**16), np.uint64(10**8), np.uint64(10**4)
+
+
+def _fill_keys(rows: np.ndarray, col: int, keys: np.ndarray) -> None:
+    """rows[:, col:col+20] = each key's unsigned 64-bit value as 20 zero-padded digits."""
+    u = keys.view(np.uint64)  # the int64 bit pattern, read unsigned
+    hi, lo = np.divmod(u, _E16)  # hi < 1845: four digits
+    a, b = np.divmod(lo, _E8)
+    groups = np.empty((len(keys), 5), np.uint32)
+    groups[:, 0] = _LUT[hi]
+    groups[:, 1], groups[:, 2] = (_LUT[g] for g in np.divmod(a, _E4))
+    groups[:, 3], groups[:, 4] = (_LUT[g] for g in np.divmod(b, _E4))
+    rows[:, col : col + KEY_DIGITS] = groups.view(np.uint8)
+
+
+def _as_keys(keys: np.ndarray | list[int]) -> np.ndarray:
+    """int64 bit patterns (Python ints may be given as signed or as unsigned 64-bit values)."""
+    if isinstance(keys, np.ndarray):
+        return np.ascontiguousarray(keys, np.int64) if keys.dtype != np.int64 else keys
+    return np.array([k - (1 << 64) if k >= 1 << 63 else k for k in keys], np.int64)
+
+
+def _fragments(event: Event, key_field: str) -> tuple[bytes, bytes]:
     """Split the encoding of `event` around its block_key value "0"."""
-    text = encode(event).decode()
-    marker = f'"{key_field}":"0"'
+    text = encode(event)
+    marker = b'"' + key_field.encode() + b'":"0"'
     head, tail = text.split(marker)
-    return head + f'"{key_field}":"', '"' + tail
+    return head + marker[:-2], tail  # head ends with `"block_key":"`, tail with the rest
 
 
-def _join(keys: list[int], head: str, tail: str, before: str = "", after: str = "") -> str:
-    """before + head k1 tail , head k2 tail ... + after, with a single copy of the bulk.
+class _Rows:
+    """One JSON object per key, fixed width, each followed by a comma."""
 
-    The outer text rides on the first and last elements, so the big join is the only
-    allocation of the whole body (a 100 MB snapshot pays its page faults once).
+    def __init__(self, head: bytes, tail: bytes) -> None:
+        """`head` ends with the key's opening quote; `tail` follows its closing quote."""
+        self.row = np.frombuffer(head + b"0" * KEY_DIGITS + b'"' + tail + b",", np.uint8)
+        self.key_col = len(head)
+        self.width = len(self.row)
+
+
+def _body(prefix: bytes, parts: list[tuple[_Rows, np.ndarray]], suffix: bytes) -> memoryview:
+    """prefix + rows of every part (comma-separated) + suffix, built in one buffer.
+
+    Returned as a view of that buffer: a copy into `bytes` would cost as much again (page
+    faults of a second 100+ MB allocation for a 1M-key snapshot) and aiohttp sends either.
     """
-    if not keys:
-        return before + after
-    parts = list(map(str, keys))
-    parts[0] = before + head + parts[0]
-    parts[-1] = parts[-1] + tail + after
-    return (tail + "," + head).join(parts)
+    n_bytes = sum(r.width * len(k) for r, k in parts)
+    buf = np.empty(len(prefix) + n_bytes + len(suffix), np.uint8)
+    buf[: len(prefix)] = np.frombuffer(prefix, np.uint8)
+    at = len(prefix)
+    for r, k in parts:
+        rows = buf[at : at + r.width * len(k)].reshape(len(k), r.width)
+        rows[:] = r.row
+        _fill_keys(rows, r.key_col, k)
+        at += r.width * len(k)
+    if n_bytes:
+        at -= 1  # the last row's comma
+    buf[at : at + len(suffix)] = np.frombuffer(suffix, np.uint8)
+    return buf[: at + len(suffix)].data
 
 
 @functools.lru_cache(maxsize=64)
-def _delta_fragments(medium: str, name: str, uri: str) -> tuple[str, str, str, str]:
-    """ADD and DELETE event text around the key; the same for every request of a reporter."""
-    spec = Spec(name, uri)
-    a_head, a_tail = _fragments(ev_add(0, medium, spec), "block_key")
-    d_head, d_tail = _fragments(ev_delete(0, medium, name), "block_key")
-    return a_head, a_tail, d_head, d_tail
+def _delta_rows(medium: str, name: str, uri: str) -> tuple[_Rows, _Rows]:
+    """ADD and DELETE event rows; the same for every request of a reporter."""
+    add = _Rows(*_fragments(ev_add(0, medium, Spec(name, uri)), "block_key"))
+    delete = _Rows(*_fragments(ev_delete(0, medium, name), "block_key"))
+    return add, delete
 
 
 @functools.lru_cache(maxsize=64)
-def _snapshot_fragments(medium: str, name: str, uri: str) -> tuple[str, str, str, str]:
-    """Snapshot event text: (event head, block head, block tail, event tail)."""
+def _snapshot_rows(medium: str, name: str, uri: str) -> tuple[bytes, _Rows, bytes]:
+    """Snapshot event: (event head up to `[`, block rows, `]` and the event tail)."""
     b_head, b_tail = _fragments(
         Event(
             "EVENT_BLOCK_SNAPSHOT",
@@ -212,18 +257,16 @@ def _snapshot_fragments(medium: str, name: str, uri: str) -> tuple[str, str, str
         ),
         "block_key",
     )
-    # b_head = '{"event_type":"EVENT_BLOCK_SNAPSHOT","block_snapshot":{"blocks":[{"block_key":"'
-    ev_head, blk_head = b_head.rsplit("[", 1)
-    blk_tail, ev_tail = b_tail.rsplit("]", 1)
-    return ev_head, blk_head, blk_tail, ev_tail
+    # b_head = b'{"event_type":"EVENT_BLOCK_SNAPSHOT","block_snapshot":{"blocks":[{"block_key":"'
+    ev_head, blk_head = b_head.rsplit(b"[", 1)
+    blk_tail, ev_tail = b_tail.rsplit(b"]", 1)
+    return ev_head + b"[", _Rows(blk_head, blk_tail), b"]" + ev_tail
 
 
-def _envelope_head(trace_id: str, instance_id: str, host_ip_port: str, storage_type: str) -> str:
-    text = encode(
-        ReportEventRequest(trace_id, instance_id, host_ip_port, storage_type, [])
-    ).decode()
-    assert text.endswith('"events":[]}')
-    return text[: -len("]}")]
+def _envelope_head(trace_id: str, instance_id: str, host_ip_port: str, storage_type: str) -> bytes:
+    text = encode(ReportEventRequest(trace_id, instance_id, host_ip_port, storage_type, []))
+    assert text.endswith(b'"events":[]}')
+    return text[: -len(b"]}")]
 
 
 def encode_deltas(
@@ -231,16 +274,16 @@ def encode_deltas(
     instance_id: str,
     host_ip_port: str,
     storage_type: str,
-    adds: list[int],
-    deletes: list[int],
+    adds: np.ndarray | list[int],
+    deletes: np.ndarray | list[int],
     medium: str,
     spec: Spec,
-) -> bytes:
+) -> memoryview:
     """A reportEvent with one BLOCK_ADD per key in `adds` and one BLOCK_DELETE per `deletes`."""
-    a_head, a_tail, d_head, d_tail = _delta_fragments(medium, spec.name, spec.uri)
-    parts = [p for p in (_join(adds, a_head, a_tail), _join(deletes, d_head, d_tail)) if p]
+    add_rows, delete_rows = _delta_rows(medium, spec.name, spec.uri)
     head = _envelope_head(trace_id, instance_id, host_ip_port, storage_type)
-    return (head + ",".join(parts) + "]}").encode()
+    parts = [(add_rows, _as_keys(adds)), (delete_rows, _as_keys(deletes))]
+    return _body(head, parts, b"]}")
 
 
 def encode_snapshot(
@@ -248,11 +291,11 @@ def encode_snapshot(
     instance_id: str,
     host_ip_port: str,
     storage_type: str,
-    keys: list[int],
+    keys: np.ndarray | list[int],
     medium: str,
     spec: Spec,
-) -> bytes:
+) -> memoryview:
     """A reportEvent with one BLOCK_SNAPSHOT listing every key in `keys`."""
-    ev_head, blk_head, blk_tail, ev_tail = _snapshot_fragments(medium, spec.name, spec.uri)
+    ev_head, rows, ev_tail = _snapshot_rows(medium, spec.name, spec.uri)
     head = _envelope_head(trace_id, instance_id, host_ip_port, storage_type)
-    return _join(keys, blk_head, blk_tail, head + ev_head + "[", "]" + ev_tail + "]}").encode()
+    return _body(head + ev_head, [(rows, _as_keys(keys))], ev_tail + b"]}")

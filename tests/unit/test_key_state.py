@@ -72,7 +72,7 @@ def test_key_state_sending_dirty_makes_acked_equal_published(
         ks.confirm(sent, failed)
     while ks.dirty:
         ks.confirm(ks.take_batch(batch))
-    assert ks.acked_keys() == set(ks.published_keys())
+    assert ks.acked_keys() == set(ks.published_keys().tolist())
     assert ks.in_sync()
 
 
@@ -81,24 +81,35 @@ def test_key_state_unchanged_key_never_resent() -> None:
     ks.apply(records([(L.KIND_STORED, 0, 1)]))
     ks.confirm(ks.take_batch(10))
     ks.apply(records([(L.KIND_REMOVED, 0, 1), (L.KIND_STORED, 0, 1)], 2))
-    assert ks.take_batch(10) == []  # stored -> removed -> stored: KVCM already has it
+    assert ks.take_batch(10).pairs() == []  # stored -> removed -> stored: KVCM already has it
 
 
 def test_key_state_repeated_store_and_other_group_change_nothing() -> None:
     ks = KeyState((0, 1))
     ks.apply(records([(L.KIND_STORED, 0, 7), (L.KIND_STORED, 0, 7)]))
-    assert ks.published_count == 0 and ks.take_batch(10) == []
+    assert ks.published_count == 0 and ks.take_batch(10).pairs() == []
     ks.apply(records([(L.KIND_STORED, 1, 7)], 3))
-    assert ks.take_batch(10) == [(7, True)]
+    assert ks.take_batch(10).pairs() == [(7, True)]
 
 
 def test_key_state_commit_snapshot_keeps_changes_made_meanwhile_dirty() -> None:
     ks = KeyState((0,))
     ks.apply(records([(L.KIND_STORED, 0, k) for k in range(5)]))
-    sent = set(ks.published_keys())
+    sent = ks.published_keys()
     ks.apply(records([(L.KIND_REMOVED, 0, 0), (L.KIND_STORED, 0, 9)], 6))
     ks.commit_snapshot(sent)
-    assert sorted(ks.take_batch(10)) == [(0, False), (9, True)]
+    assert sorted(ks.take_batch(10).pairs()) == [(0, False), (9, True)]
+
+
+def test_key_state_batch_lists_adds_before_deletes() -> None:
+    ks = KeyState((0,))
+    ks.apply(records([(L.KIND_STORED, 0, k) for k in range(4)]))
+    ks.confirm(ks.take_batch(10))
+    ks.apply(records([(L.KIND_REMOVED, 0, 1), (L.KIND_STORED, 0, 8), (L.KIND_REMOVED, 0, 2)], 5))
+    ks.apply(records([(L.KIND_STORED, 0, 9)], 8))
+    batch = ks.take_batch(10)
+    assert batch.pairs() == [(8, True), (9, True), (1, False), (2, False)]
+    assert batch.adds.tolist() == [8, 9] and batch.deletes.tolist() == [1, 2]
 
 
 def test_key_state_partial_failure_requeues_failed_in_order_first() -> None:
@@ -106,7 +117,7 @@ def test_key_state_partial_failure_requeues_failed_in_order_first() -> None:
     ks.apply(records([(L.KIND_STORED, 0, k) for k in range(6)]))
     sent = ks.take_batch(4)
     ks.confirm(sent, [1, 3])
-    assert [k for k, _ in ks.take_batch(10)] == [1, 3, 4, 5]
+    assert [k for k, _ in ks.take_batch(10).pairs()] == [1, 3, 4, 5]
 
 
 @settings(max_examples=200)
@@ -121,16 +132,36 @@ def test_key_state_tiny_index_compacts_and_grows_correctly(
     key_state._MIN_CAP = 4
     try:
         ks = KeyState((0, 1))
+        in_flight = ks.take_batch(0)
         for i in range(0, len(ops), 5):
-            ks.apply(records(ops[i : i + 5], i + 1))
+            ks.apply(records(ops[i : i + 5], i + 1))  # may compact while a batch is in flight
             if i // 5 % 2:
-                ks.confirm(ks.take_batch(batch), [0] if i % 3 == 0 else [])
+                ks.confirm(in_flight, [0] if i % 3 == 0 and len(in_flight) else [])
+                in_flight = ks.take_batch(batch)
+        ks.confirm(in_flight)
         snap = fold(ops[: min(cut, len(ops))])
         ks.replace(np.array(list(snap), np.int64), np.array(list(snap.values()), np.uint32))
         ks.apply(records(ops[min(cut, len(ops)) :], 1))
         assert ks.as_dict() == fold(ops)
         while ks.dirty:
             ks.confirm(ks.take_batch(batch))
-        assert ks.acked_keys() == set(ks.published_keys()) and ks.in_sync()
+        assert ks.acked_keys() == set(ks.published_keys().tolist()) and ks.in_sync()
     finally:
         key_state._MIN_CAP = old
+
+
+def test_key_state_dirty_since_is_when_the_oldest_unsent_change_arrived() -> None:
+    now = [1.0]
+    ks = KeyState((0,), clock=lambda: now[0])
+    ks.apply(records([(L.KIND_STORED, 0, k) for k in range(4)]))
+    assert ks.dirty_since == 1.0
+    now[0] = 2.0
+    sent = ks.take_batch(2)
+    ks.apply(records([(L.KIND_STORED, 0, 9)], 5))  # older changes still wait: unchanged
+    assert ks.dirty_since == 1.0
+    ks.confirm(sent)
+    ks.confirm(ks.take_batch(10))
+    assert not ks.dirty
+    now[0] = 3.0
+    ks.apply(records([(L.KIND_REMOVED, 0, 9)], 6))
+    assert ks.dirty_since == 3.0

@@ -1,12 +1,41 @@
-"""The fast request encoders produce exactly what the Struct encoders produce."""
+"""The fast request encoders produce what the Struct encoders produce, up to key spelling.
+
+The fast encoders write every block_key as 20 zero-padded digits of its unsigned value, which
+KVCM reads as the same int64 bit pattern (contract §4.2, §12); everything else is byte-equal.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.kvcm_client import wire as W
+
+U64 = 1 << 64
+
+
+def _canonical(body: bytes | memoryview) -> tuple[Any, list[str]]:
+    """The decoded request with block keys as int64 patterns, and the key texts as written."""
+    texts: list[str] = []
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            out = {k: walk(v) for k, v in obj.items()}
+            if "block_key" in out:
+                texts.append(obj["block_key"])
+                v = int(obj["block_key"])
+                out["block_key"] = v - U64 if v >= 1 << 63 else v
+            return out
+        if isinstance(obj, list):
+            return [walk(v) for v in obj]
+        return obj
+
+    return walk(msgspec.json.decode(body)), texts
+
 
 SPEC = W.Spec("full", "event_report://10.0.0.1:8000/hbm?size=4096")
 KEYS = st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40, unique=True)
@@ -19,8 +48,20 @@ def test_encode_deltas_equals_struct_encoding(adds: list[int], deletes: list[int
         W.ev_delete(k, "hbm", "full") for k in deletes
     ]
     slow = W.encode(W.ReportEventRequest("t", "i", "h:1", "ST_EVENT_REPORT_L1P5", events))
-    assert fast == slow
-    msgspec.json.decode(fast)
+    got, texts = _canonical(fast)
+    assert got == _canonical(slow)[0]
+    assert all(len(t) == W.KEY_DIGITS and t.isdigit() for t in texts)
+    arrays = W.encode_deltas(
+        "t",
+        "i",
+        "h:1",
+        "ST_EVENT_REPORT_L1P5",
+        np.array(adds, np.int64),
+        np.array(deletes, np.int64),
+        "hbm",
+        SPEC,
+    )
+    assert arrays == fast
 
 
 @given(keys=KEYS)
@@ -30,4 +71,6 @@ def test_encode_snapshot_equals_struct_encoding(keys: list[int]) -> None:
     slow = W.encode(
         W.ReportEventRequest("t", "i", "h:1", "ST_EVENT_REPORT_L1P5", [W.ev_snapshot(blocks)])
     )
-    assert fast == slow
+    got, texts = _canonical(fast)
+    assert got == _canonical(slow)[0]
+    assert all(len(t) == W.KEY_DIGITS and t.isdigit() for t in texts)
