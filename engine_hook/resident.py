@@ -33,8 +33,8 @@ class ResidentSet:
         self._queue_m: list[np.ndarray] = []
         self._queued = 0
 
-    def _alloc(self, capacity: int) -> None:
-        self._idx = KeyIndex(capacity)
+    def _alloc(self, capacity: int, keys: np.ndarray | None = None) -> None:
+        self._idx = KeyIndex(capacity) if keys is None else KeyIndex.of(keys, capacity)
         self._dmasks = np.zeros(len(self._idx.keys), np.uint32)
 
     @property
@@ -95,9 +95,8 @@ class ResidentSet:
         n = self._idx.n
         live = self._dmasks[:n] != 0
         keys, masks = self._idx.keys[:n][live], self._dmasks[:n][live]
-        self._alloc(sized_for(len(keys) + incoming, 1 << 16))
-        if len(keys):
-            self._dmasks[self._positions(keys)] = masks
+        self._alloc(sized_for(len(keys) + incoming, 1 << 16), keys)
+        self._dmasks[: len(keys)] = masks
 
     # ---- reading --------------------------------------------------------------------------
     def __len__(self) -> int:

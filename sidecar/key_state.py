@@ -87,9 +87,10 @@ class KeyState:
     # ---- storage and index ------------------------------------------------------------------
     _COLUMNS = ("_masks", "_acked", "_queued")
 
-    def _alloc(self, cap: int) -> None:
+    def _alloc(self, cap: int, keys: np.ndarray | None = None) -> None:
+        """A fresh index (of `keys`, distinct, at positions 0..n-1) and zeroed columns."""
         self._epoch = getattr(self, "_epoch", 0) + 1  # dense positions change with the index
-        self._idx = KeyIndex(cap)
+        self._idx = KeyIndex(cap) if keys is None else KeyIndex.of(keys, cap)
         size = len(self._idx.keys)
         self._masks = np.zeros(size, np.int64)
         self._acked = np.zeros(size, np.bool_)
@@ -121,15 +122,12 @@ class KeyState:
         """Re-index, keeping only keys that are held, acked or queued."""
         n = self._n
         kept = np.flatnonzero((self._masks[:n] != 0) | self._acked[:n] | self._queued[:n])
-        keys = self._keys[kept]
         cols = {name: getattr(self, name)[kept] for name in self._COLUMNS}
-        self._alloc(sized_for(len(kept) + incoming, _MIN_CAP))
+        self._alloc(sized_for(len(kept) + incoming, _MIN_CAP), self._keys[kept])
+        for name in self._COLUMNS:
+            getattr(self, name)[: len(kept)] = cols[name]
         remap = np.full(n, -1, np.int64)
-        if len(kept):
-            pos = self._find(keys, insert=True)
-            for name in self._COLUMNS:
-                getattr(self, name)[pos] = cols[name]
-            remap[kept] = pos
+        remap[kept] = np.arange(len(kept))
         # Queued keys are always kept, so every queued position has a new home.
         self._queue = [remap[q] for q in self._queue if len(q)]
 

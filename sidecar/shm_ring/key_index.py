@@ -39,6 +39,41 @@ class KeyIndex:
         self.keys = np.zeros(capacity // 2 + 1, np.int64)  # dense: the key at each position
         self.n = 0
 
+    @classmethod
+    def of(cls, keys: np.ndarray, capacity: int) -> KeyIndex:
+        """An index of the distinct `keys` at positions 0..n-1, built in one vectorised pass.
+
+        Re-indexing (growth, compaction) happens while the owner's event loop or the engine's
+        flush waits, so it must not probe round by round: keys are placed in order of their home
+        slot, each at the first free slot at or after it (a running maximum), which is exactly
+        the layout linear probing expects. The few that run past the end wrap to the front.
+        """
+        idx = cls(capacity)
+        n = len(keys)
+        idx.keys = fit(idx.keys, n)
+        idx.keys[:n] = keys
+        idx.n = n
+        home = idx._home(keys)
+        order = np.argsort(home, kind="stable")
+        i = np.arange(n)
+        place = i + np.maximum.accumulate(home[order] - i) if n else i
+        fits = place < capacity
+        idx._tpos[place[fits]] = order[fits]
+        idx._tkeys[place[fits]] = keys[order[fits]]
+        slot = 0
+        for p in order[~fits].tolist():
+            while idx._tpos[slot] >= 0:
+                slot += 1
+            idx._tpos[slot] = p
+            idx._tkeys[slot] = keys[p]
+        return idx
+
+    def _home(self, ukeys: np.ndarray) -> np.ndarray:
+        home: np.ndarray = ((ukeys.view(np.uint64) * _GOLDEN) >> np.uint64(64 - self._bits)).astype(
+            np.int64
+        )
+        return home
+
     def crowded(self, incoming: int) -> bool:
         """Would `incoming` new keys push the index past 70 % (where probing gets long)?"""
         return (self.n + incoming) * 10 > self.cap * 7
@@ -48,7 +83,7 @@ class KeyIndex:
         if insert:
             self.keys = fit(self.keys, self.n + len(ukeys))
         mask = self.cap - 1
-        idx = ((ukeys.view(np.uint64) * _GOLDEN) >> np.uint64(64 - self._bits)).astype(np.int64)
+        idx = self._home(ukeys)
         out = np.full(len(ukeys), -1, np.int64)
         todo = np.arange(len(ukeys))
         while len(todo):
