@@ -217,6 +217,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(EXIT_OK)
     logs.setup(cfg.log.level, cfg.log.format, cfg.log.repeat_interval_s)
     log.info("effective config %s", json.dumps(redacted(cfg), sort_keys=True))
+    from sidecar.malloc import pin_mmap_threshold
+
+    pin_mmap_threshold()
     from sidecar.daemon import IdentityBusy
     from sidecar.shm_ring.layout import LayoutError
 

@@ -25,7 +25,7 @@ def test_config_defaults_are_the_seed_values() -> None:
     assert cfg.manager.snapshot_timeout_s == 30.0
     assert cfg.report.backoff_cap_s == 30.0
     assert cfg.report.periodic_snapshot_s == 300.0
-    assert cfg.report.batch_max_keys == 1000
+    assert cfg.report.batch_max_keys == 4096
     assert cfg.report.flush_window_s == 0.02
 
 

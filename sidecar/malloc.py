@@ -1,0 +1,30 @@
+"""Keep glibc from holding on to the memory of freed large arrays.
+
+Imports: stdlib (ctypes) only. glibc serves big allocations with mmap and returns them on free,
+but after the first such free it raises its mmap threshold (up to 32 MiB), so later arrays of a
+few MiB (the key state's columns, a snapshot's temporaries) come from the heap, where freed holes
+stay resident. For the sidecar that doubled RSS after one 1M-key snapshot (bench/README.md).
+Pinning the threshold turns the adjustment off. No-op where mallopt is missing (musl, macOS).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+log = logging.getLogger(__name__)
+M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's default, made fixed
+
+
+def pin_mmap_threshold() -> bool:
+    """True if glibc accepted the fixed threshold."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    log.debug("mallopt M_MMAP_THRESHOLD=%d ok=%s", MMAP_THRESHOLD_BYTES, ok)
+    return ok
