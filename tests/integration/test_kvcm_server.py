@@ -601,6 +601,15 @@ FIELDS = st.sampled_from(
 )
 
 
+def _fuzz(examples: int) -> settings:
+    """Hypothesis settings for tests that also take (function-scoped) server fixtures."""
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture],
+    )
+
+
 def _mutated_request(draw: st.DrawFn) -> dict[str, Any]:
     body: dict[str, Any] = {
         "instance_id": IID,
@@ -621,9 +630,7 @@ def _mutated_request(draw: st.DrawFn) -> dict[str, Any]:
     return body
 
 
-@settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@_fuzz(150)
 @given(data=st.data())
 async def test_report_hostile_bodies_never_500_and_never_touch_other_reporters(
     api: Api, data: st.DataObject
@@ -734,9 +741,7 @@ def _state_view(server: KvcmServer) -> dict[str, Any]:
     }
 
 
-@settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@_fuzz(60)
 @given(data=st.data())
 async def test_report_typed_fast_path_answers_exactly_as_the_dict_path(
     clock: FakeClock, data: st.DataObject
