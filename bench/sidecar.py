@@ -32,6 +32,7 @@ from sidecar.config import ReportConfig
 from sidecar.key_state import KeyState
 from sidecar.kvcm_client import wire as W
 from sidecar.kvcm_client.client import KvcmClient
+from sidecar.malloc import pin_mmap_threshold
 from sidecar.shm_ring.reader import RingReader
 from sidecar.shm_ring.segment import Segment, unlink
 
@@ -356,6 +357,7 @@ def resources(base: str, idle_s: float, n_keys: int) -> dict[str, float]:
 
 
 def main() -> None:
+    pin_mmap_threshold()  # as `kvcm-sidecar run` does: the in-process pipeline is the daemon's
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--idle-seconds", type=float, default=60.0)
     ap.add_argument("--quick", action="store_true", help="smaller runs (for a smoke check)")

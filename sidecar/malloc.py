@@ -1,10 +1,10 @@
 """Keep glibc from holding on to the memory of freed large arrays.
 
 Imports: stdlib (ctypes) only. glibc serves big allocations with mmap and returns them on free,
-but after the first such free it raises its mmap threshold (up to 32 MiB), so later arrays of a
-few MiB (the key state's columns, a snapshot's temporaries) come from the heap, where freed holes
-stay resident. For the sidecar that doubled RSS after one 1M-key snapshot (bench/README.md).
-Pinning the threshold turns the adjustment off. No-op where mallopt is missing (musl, macOS).
+but after the first such free it raises its mmap threshold (up to 32 MiB), so later arrays of
+several MiB (the key state's columns, a snapshot's temporaries) come from the heap, where freed
+holes stay resident. For the sidecar that doubled RSS after one 1M-key snapshot (bench/README.md).
+Setting the threshold turns the adjustment off. No-op where mallopt is missing (musl, macOS).
 """
 
 from __future__ import annotations
@@ -14,7 +14,10 @@ import logging
 
 log = logging.getLogger(__name__)
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's default, made fixed
+# Request bodies (a 4096-key delta is ~600 KiB) stay below this and reuse heap memory: served by
+# mmap, each would pay its page faults again (3x the encode time). Key-state columns and
+# snapshot bodies of large caches are above it, and go back to the kernel when freed.
+MMAP_THRESHOLD_BYTES = 4 * 1024 * 1024
 
 
 def pin_mmap_threshold() -> bool:

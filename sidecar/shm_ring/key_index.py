@@ -95,17 +95,20 @@ class KeyIndex:
             free = np.flatnonzero(~used)
             if len(free):
                 if insert:
-                    # Several keys may reach the same empty slot: the first claims it, the
+                    # Several keys may reach the same empty slot: each writes its mark there,
+                    # one mark survives (no sort needed), its key claims the slot, and the
                     # others find it taken and probe on.
-                    claim_s, first = np.unique(s[free], return_index=True)
-                    winners = todo[free[first]]
+                    fs, cand = s[free], todo[free]
+                    self._tpos[fs] = -2 - cand
+                    won = self._tpos[fs] == -2 - cand
+                    winners, claim_s = cand[won], fs[won]
                     new_pos = np.arange(self.n, self.n + len(winners))
                     self._tpos[claim_s] = new_pos
                     self._tkeys[claim_s] = ukeys[winners]
                     self.keys[new_pos] = ukeys[winners]
                     self.n += len(winners)
                     out[winners] = new_pos
-                    done[free[first]] = True
+                    done[free[won]] = True
                 else:
                     done[free] = True  # an empty slot ends the probe: absent
             todo = todo[~done]
