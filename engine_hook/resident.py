@@ -34,7 +34,9 @@ class ResidentSet:
         self._queued = 0
 
     def _alloc(self, capacity: int, keys: np.ndarray | None = None) -> None:
-        self._idx = KeyIndex(capacity) if keys is None else KeyIndex.of(keys, capacity)
+        self._idx = KeyIndex(capacity)
+        if keys is not None:
+            self._idx.insert_absent(keys)  # at positions 0..len-1, in order
         self._dmasks = np.zeros(len(self._idx.keys), np.uint32)
 
     @property

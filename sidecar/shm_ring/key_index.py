@@ -35,38 +35,39 @@ class KeyIndex:
         self.cap = capacity
         self._bits = capacity.bit_length() - 1
         self._tkeys = np.zeros(capacity, np.int64)
-        self._tpos = np.full(capacity, -1, np.int64)  # dense position, -1 = empty slot
-        self.keys = np.zeros(capacity // 2 + 1, np.int64)  # dense: the key at each position
+        # Dense position + 1; 0 = empty slot. Zeros come from calloc: a big table's pages are
+        # faulted in as slots are used, not all at once when it is created.
+        self._tpos = np.zeros(capacity, np.int64)
+        # Dense: the key at each position. Room for all the index may hold before it is crowded
+        # (pages are faulted in as positions are used), so it never grows by copying.
+        self.keys = np.zeros(capacity * 7 // 10 + 1, np.int64)
         self.n = 0
 
-    @classmethod
-    def of(cls, keys: np.ndarray, capacity: int) -> KeyIndex:
-        """An index of the distinct `keys` at positions 0..n-1, built in one vectorised pass.
+    def insert_absent(self, ukeys: np.ndarray) -> None:
+        """Insert distinct keys known to be absent, at positions n, n+1, ... in their order.
 
-        Re-indexing (growth, compaction) happens while the owner's event loop or the engine's
-        flush waits, so it must not probe round by round: keys are placed in order of their home
-        slot, each at the first free slot at or after it (a running maximum), which is exactly
-        the layout linear probing expects. The few that run past the end wrap to the front.
+        What a rebuild does chunk by chunk: with positions known in advance, moving the owner's
+        per-key columns is a gather into a contiguous range instead of a scatter.
         """
-        idx = cls(capacity)
-        n = len(keys)
-        idx.keys = fit(idx.keys, n)
-        idx.keys[:n] = keys
-        idx.n = n
-        home = idx._home(keys)
-        order = np.argsort(home, kind="stable")
-        i = np.arange(n)
-        place = i + np.maximum.accumulate(home[order] - i) if n else i
-        fits = place < capacity
-        idx._tpos[place[fits]] = order[fits]
-        idx._tkeys[place[fits]] = keys[order[fits]]
-        slot = 0
-        for p in order[~fits].tolist():
-            while idx._tpos[slot] >= 0:
-                slot += 1
-            idx._tpos[slot] = p
-            idx._tkeys[slot] = keys[p]
-        return idx
+        base, m = self.n, len(ukeys)
+        self.keys = fit(self.keys, base + m)
+        self.keys[base : base + m] = ukeys
+        mask = self.cap - 1
+        slot = self._home(ukeys)
+        todo = np.arange(m)
+        while len(todo):
+            s = slot[todo]
+            free = self._tpos[s] == 0
+            fs, cand = s[free], todo[free]
+            self._tpos[fs] = -1 - cand  # one mark per contested slot survives
+            won = self._tpos[fs] == -1 - cand
+            self._tpos[fs[won]] = base + cand[won] + 1
+            self._tkeys[fs[won]] = ukeys[cand[won]]
+            placed = np.zeros(len(todo), np.bool_)
+            placed[np.flatnonzero(free)[won]] = True
+            todo = todo[~placed]
+            slot[todo] = (slot[todo] + 1) & mask
+        self.n = base + m
 
     def _home(self, ukeys: np.ndarray) -> np.ndarray:
         home: np.ndarray = ((ukeys.view(np.uint64) * _GOLDEN) >> np.uint64(64 - self._bits)).astype(
@@ -89,9 +90,9 @@ class KeyIndex:
         while len(todo):
             s = idx[todo]
             pos = self._tpos[s]
-            used = pos >= 0
+            used = pos > 0
             done = used & (self._tkeys[s] == ukeys[todo])
-            out[todo[done]] = pos[done]
+            out[todo[done]] = pos[done] - 1
             free = np.flatnonzero(~used)
             if len(free):
                 if insert:
@@ -103,7 +104,7 @@ class KeyIndex:
                     won = self._tpos[fs] == -2 - cand
                     winners, claim_s = cand[won], fs[won]
                     new_pos = np.arange(self.n, self.n + len(winners))
-                    self._tpos[claim_s] = new_pos
+                    self._tpos[claim_s] = new_pos + 1
                     self._tkeys[claim_s] = ukeys[winners]
                     self.keys[new_pos] = ukeys[winners]
                     self.n += len(winners)

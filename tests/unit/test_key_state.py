@@ -121,15 +121,15 @@ def test_key_state_partial_failure_requeues_failed_in_order_first() -> None:
 
 
 @settings(max_examples=200)
-@given(ops=OPS, batch=st.integers(1, 7), cut=st.integers(0, 120))
+@given(ops=OPS, batch=st.integers(1, 7), cut=st.integers(0, 120), step=st.integers(1, 4))
 def test_key_state_tiny_index_compacts_and_grows_correctly(
-    ops: list[tuple[int, int, int]], batch: int, cut: int
+    ops: list[tuple[int, int, int]], batch: int, cut: int, step: int
 ) -> None:
-    """Force index growth and compaction (removed, unacked keys dropped) on every few ops."""
+    """Force stepwise re-indexing (growth; removed, unacked keys dropped) every few ops."""
     from sidecar import key_state
 
-    old = key_state._MIN_CAP
-    key_state._MIN_CAP = 4
+    old = key_state._MIN_CAP, key_state.REBUILD_STEP
+    key_state._MIN_CAP, key_state.REBUILD_STEP = 4, step
     try:
         ks = KeyState((0, 1))
         in_flight = ks.take_batch(0)
@@ -147,7 +147,39 @@ def test_key_state_tiny_index_compacts_and_grows_correctly(
             ks.confirm(ks.take_batch(batch))
         assert ks.acked_keys() == set(ks.published_keys().tolist()) and ks.in_sync()
     finally:
-        key_state._MIN_CAP = old
+        key_state._MIN_CAP, key_state.REBUILD_STEP = old
+
+
+def _rebuilding(ks: KeyState) -> bool:
+    return ks._rebuild is not None
+
+
+def test_key_state_keys_changed_during_a_stepwise_reindex_survive_it() -> None:
+    from sidecar import key_state
+
+    old = key_state._MIN_CAP, key_state.REBUILD_STEP
+    key_state._MIN_CAP, key_state.REBUILD_STEP = 16, 2
+    try:
+        ks = KeyState((0,))
+        ks.apply(records([(L.KIND_STORED, 0, k) for k in range(8)]))
+        ks.apply(records([(L.KIND_REMOVED, 0, k) for k in (1, 2)], 9))
+        ks.confirm(ks.take_batch(100))  # 1 and 2: removed and confirmed, so no longer live
+        ks.apply(records([(L.KIND_STORED, 0, 8)], 11))  # 9 of 16 slots: a re-index starts
+        assert _rebuilding(ks)
+        seq = 12
+        for op in [(L.KIND_STORED, 0, 1), (L.KIND_STORED, 0, 20), (L.KIND_REMOVED, 0, 3)]:
+            ks.apply(records([op], seq))  # revived, new, and removed while it runs
+            seq += 1
+        while _rebuilding(ks):
+            ks.apply(records([(L.KIND_STORED, 0, 30 + seq)], seq))
+            seq += 1
+        held = {k for k, m in ks.as_dict().items() if m}
+        assert {1, 20, 0, 4, 5, 6, 7, 8} <= held and not {2, 3} & held
+        while ks.dirty:
+            ks.confirm(ks.take_batch(3))
+        assert ks.acked_keys() == held and ks.in_sync()
+    finally:
+        key_state._MIN_CAP, key_state.REBUILD_STEP = old
 
 
 def test_key_state_dirty_since_is_when_the_oldest_unsent_change_arrived() -> None:
