@@ -245,7 +245,7 @@ class KvcmServer:
     def _visible_locs(self, iid: str, key: int) -> dict[tuple[str, str, str], dict[str, str]]:
         locs = self.state.blocks.get(iid, {}).get(key, {})
         return {
-            loc: specs
+            loc: dict(specs)
             for loc, specs in locs.items()
             if self.state.visible(loc[0], loc[2], iid, specs)
         }
@@ -382,7 +382,7 @@ class KvcmServer:
                             for locs in st.blocks.get(r.instance_id, {}).values()
                             for loc, sp in locs.items()
                             if loc[2] == r.host_ip_port
-                            for v in map(uri_version, sp.values())
+                            for v in (uri_version(u) for _, u in sp)
                             if v
                         }
                     ),

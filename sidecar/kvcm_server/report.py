@@ -11,7 +11,17 @@ import asyncio
 from typing import Any
 
 from sidecar.kvcm_server import proto as P
-from sidecar.kvcm_server.state import ARRIVALS_MAX, ApiError, Reporter, State, stamp, valid_uri
+from sidecar.kvcm_server.state import (
+    ARRIVALS_MAX,
+    ApiError,
+    Loc,
+    Reporter,
+    Specs,
+    State,
+    intern_loc,
+    stamp,
+    valid_uri,
+)
 
 REGISTER, ADD, DELETE, HOST_DOWN, HEARTBEAT, SNAPSHOT = (
     "EVENT_NODE_REGISTER",
@@ -263,8 +273,8 @@ class EventReport:
         # The publisher repeats one medium and one spec list: resolve them when they change.
         medium: str | None = None
         specs: tuple[P.TSpec, ...] | None = None
-        loc: tuple[str, str, str] = ("", "", "")
-        stamped: dict[str, str] = {}
+        loc: Loc = ("", "", "")
+        stamped: Specs = ()
         for ev, etype in zip(req.events, types, strict=True):
             try:
                 if self.fail_items > 0:
@@ -381,12 +391,12 @@ class EventReport:
             version = P.new_version()
             inst_blocks = st.blocks.setdefault(r.instance_id, {})
             stamped = _Stamper(version)
-            locs: dict[str, tuple[str, str, str]] = {}
+            locs: dict[str, Loc] = {}
             now = st.clock()
             for (key, medium), specs in blocks.items():
                 loc = locs.get(medium)
                 if loc is None:
-                    loc = locs[medium] = (r.storage_type, medium, r.host_ip_port)
+                    loc = locs[medium] = intern_loc(r.storage_type, medium, r.host_ip_port)
                     r.mediums.add(medium)
                 at = inst_blocks.get(key)
                 if at is None:
@@ -405,10 +415,10 @@ class EventReport:
 
 
 class _Stamper:
-    """Stamped spec dicts, one per distinct spec dict, shared by every block that uses it.
+    """Stamped specs, one Specs object per distinct spec dict, shared by every block using it.
 
-    Block metadata dicts are never mutated in place (every writer replaces them), so sharing is
-    safe; it saves one dict and one URI string per block. The cache holds the spec dict itself,
+    Block entries are never mutated in place (every writer replaces them), so sharing is safe;
+    it saves the specs and their URI strings per block. The cache holds the spec dict itself,
     so its id cannot be reused while cached.
     """
 
@@ -416,15 +426,13 @@ class _Stamper:
 
     def __init__(self, version: str) -> None:
         self.version = version
-        self.cache: dict[int, tuple[dict[str, str], dict[str, str]]] = {}
+        self.cache: dict[int, tuple[dict[str, str], Specs]] = {}
 
-    def __call__(self, specs: dict[str, str]) -> dict[str, str]:
+    def __call__(self, specs: dict[str, str]) -> Specs:
         hit = self.cache.get(id(specs))
         if hit is None or hit[0] is not specs:
-            hit = self.cache[id(specs)] = (
-                specs,
-                {n: stamp(u, self.version) for n, u in specs.items()},
-            )
+            stamped = tuple((n, stamp(u, self.version)) for n, u in specs.items())
+            hit = self.cache[id(specs)] = (specs, stamped)
         return hit[1]
 
 
@@ -438,17 +446,17 @@ class _Puts:
         self.r = r
         self.blocks = st.blocks.setdefault(r.instance_id, {})
         self.now = st.clock()  # one arrival time per request: its events arrived together
-        self.locs: dict[str, tuple[str, str, str]] = {}
+        self.locs: dict[str, Loc] = {}
         self.stamper: _Stamper | None = None
 
-    def loc(self, medium: str) -> tuple[str, str, str]:
+    def loc(self, medium: str) -> Loc:
         """The location key of `medium` for this reporter (checked once per request)."""
         loc = self.locs.get(medium)
         if loc is None:
             if not medium or "#" in medium:
                 raise ItemError("INVALID_ARGUMENT", f"medium {medium!r} is invalid")
             r = self.r
-            loc = self.locs[medium] = (r.storage_type, medium, r.host_ip_port)
+            loc = self.locs[medium] = intern_loc(r.storage_type, medium, r.host_ip_port)
         return loc
 
     def _version(self) -> _Stamper:
@@ -461,10 +469,10 @@ class _Puts:
         self.stamper = stamper
         return stamper
 
-    def stamped(self, specs: dict[str, str]) -> dict[str, str]:
+    def stamped(self, specs: dict[str, str]) -> Specs:
         return (self.stamper or self._version())(specs)
 
-    def add(self, key: int, loc: tuple[str, str, str], stamped: dict[str, str]) -> None:
+    def add(self, key: int, loc: Loc, stamped: Specs) -> None:
         """Store `stamped` (from `stamped()`) at `loc` (from `loc()`) of block `key`."""
         at = self.blocks.get(key)
         if at is None:
@@ -472,7 +480,7 @@ class _Puts:
         else:
             old = at.get(loc)
             if old is not stamped:
-                at[loc] = stamped if old is None else {**old, **stamped}
+                at[loc] = stamped if old is None else tuple({**dict(old), **dict(stamped)}.items())
         arrivals = self.r.arrivals  # State.note_arrival, inlined: this is the hot loop
         if key not in arrivals:
             if len(arrivals) < ARRIVALS_MAX:
@@ -480,13 +488,13 @@ class _Puts:
         else:
             self.st.note_arrival(self.r, key, self.now)
 
-    def delete(self, key: int, loc: tuple[str, str, str], names: Any) -> None:
+    def delete(self, key: int, loc: Loc, names: Any) -> None:
         self._version()
         at = self.blocks.get(key)
         old = at.get(loc) if at else None
         if at is None or old is None:
             return  # idempotent: nothing stored there
-        rest = {n: u for n, u in old.items() if n not in names}
+        rest = tuple((n, u) for n, u in old if n not in names)
         if rest:
             at[loc] = rest
         else:

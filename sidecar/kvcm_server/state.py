@@ -18,6 +18,12 @@ from typing import Any
 from sidecar.kvcm_server import proto as P
 
 Clock = Callable[[], float]
+Loc = tuple[str, str, str]  # (storage_type, medium, host_ip_port)
+# A location's stamped specs: ((spec name, uri with s_version), ...). Tuples, not dicts: a block
+# entry holding only untracked tuples and strings is never tracked by the garbage collector, so
+# millions of blocks cost nothing in collections (dict values would make every entry tracked,
+# and collecting them paused requests for ~50 ms).
+Specs = tuple[tuple[str, str], ...]
 ARRIVALS_MAX = 200_000  # keys per reporter whose arrival times are kept (for /debug/arrivals)
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+._-]*://")  # KVCM accepts event_report://
 
@@ -59,11 +65,22 @@ class Reporter:
     arrivals: dict[int, float] = field(default_factory=dict)
     rearrivals: dict[int, list[float]] = field(default_factory=dict)
     heartbeat_times: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
-    stamper: Any = None  # report._Stamper of `version`: blocks of one spec list share a dict
+    stamper: Any = None  # report._Stamper of `version`: blocks of one spec list share Specs
 
     @property
     def key(self) -> tuple[str, str, str]:
         return (self.instance_id, self.storage_type, self.host_ip_port)
+
+
+_LOCS: dict[Loc, Loc] = {}
+
+
+def intern_loc(storage_type: str, medium: str, host: str) -> Loc:
+    """One tuple object per location, shared by every block stored there (see Specs)."""
+    t = (storage_type, medium, host)
+    if len(_LOCS) >= 65_536:
+        return t
+    return _LOCS.setdefault(t, t)
 
 
 def valid_uri(uri: Any) -> bool:
@@ -86,9 +103,9 @@ class State:
         self.storages: dict[str, dict[str, Any]] = {}
         self.groups: dict[str, dict[str, Any]] = {}
         self.instances: dict[str, dict[str, Any]] = {}
-        # blocks[instance][key][(storage_type, medium, host)][spec] = stamped uri. The innermost
-        # dicts are shared between blocks (report._Stamper): replace them, never mutate them.
-        self.blocks: dict[str, dict[int, dict[tuple[str, str, str], dict[str, str]]]] = {}
+        # blocks[instance][key][loc] = stamped specs; one Specs (and one Loc) object is shared by
+        # every block stored with it (report._Stamper, report.intern_loc).
+        self.blocks: dict[str, dict[int, dict[Loc, Specs]]] = {}
         self.reporters: dict[tuple[str, str, str], Reporter] = {}
         self.dirty = False
         if state_file is not None and state_file.exists():
@@ -104,7 +121,7 @@ class State:
             "instances": self.instances,
             "blocks": {
                 inst: [
-                    [str(k), [[*loc, specs] for loc, specs in locs.items()]]
+                    [str(k), [[*loc, dict(specs)] for loc, specs in locs.items()]]
                     for k, locs in keys.items()
                 ]
                 for inst, keys in self.blocks.items()
@@ -127,7 +144,9 @@ class State:
         for inst, keys in data["blocks"].items():
             d = self.blocks.setdefault(inst, {})
             for k, locs in keys:
-                d[int(k)] = {(st, med, host): specs for st, med, host, specs in locs}
+                d[int(k)] = {
+                    intern_loc(st, med, host): tuple(specs.items()) for st, med, host, specs in locs
+                }
 
     # ---- admin -------------------------------------------------------------------------
     def add_storage(self, req: dict[str, Any], *, update: bool = False) -> None:
@@ -276,9 +295,9 @@ class State:
                 if keep_version is not None:
                     # stamp() puts s_version last, and publishers' URIs never carry one.
                     old = locs[loc]
-                    specs = {n: u for n, u in old.items() if u.endswith(suffix)}
+                    specs = tuple((n, u) for n, u in old if u.endswith(suffix))
                     if len(specs) == len(old):
-                        continue  # dicts may be shared between blocks: replace, never mutate
+                        continue
                     if specs:
                         locs[loc] = specs
                         continue
@@ -286,11 +305,11 @@ class State:
             if not locs:
                 del keys[k]
 
-    def visible(self, storage_type: str, host: str, iid: str, specs: dict[str, str]) -> bool:
+    def visible(self, storage_type: str, host: str, iid: str, specs: Specs) -> bool:
         r = self.reporters.get((iid, storage_type, host))
         if r is None or self.liveness(r) != "live":
             return False
-        versions = [uri_version(u) for u in specs.values()]
+        versions = [uri_version(u) for _, u in specs]
         if any(v is None for v in versions):
             return False
         return not (r.strict and r.version not in versions)

@@ -733,7 +733,7 @@ def _state_view(server: KvcmServer) -> dict[str, Any]:
 
     return {
         iid: {
-            k: {loc: {n: norm(u) for n, u in sorted(sp.items())} for loc, sp in sorted(ls.items())}
+            k: {loc: {n: norm(u) for n, u in sorted(sp)} for loc, sp in sorted(ls.items())}
             for k, ls in sorted(keys.items())
         }
         for iid, keys in server.state.blocks.items()
