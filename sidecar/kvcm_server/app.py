@@ -23,7 +23,7 @@ from aiohttp import web
 from engine_hook.rolling_hash import block_keys as rolling_keys
 from sidecar.kvcm_server import proto as P
 from sidecar.kvcm_server.report import EventReport
-from sidecar.kvcm_server.state import ApiError, State, uri_version
+from sidecar.kvcm_server.state import ApiError, KeyMap, State, uri_version
 
 log = logging.getLogger(__name__)
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -243,7 +243,8 @@ class KvcmServer:
         return keys
 
     def _visible_locs(self, iid: str, key: int) -> dict[tuple[str, str, str], dict[str, str]]:
-        locs = self.state.blocks.get(iid, {}).get(key, {})
+        inst = self.state.blocks.get(iid)
+        locs = (inst.get(key) if inst is not None else None) or {}
         return {
             loc: dict(specs)
             for loc, specs in locs.items()
@@ -358,7 +359,7 @@ class KvcmServer:
         for r in st.reporters.values():
             keys = sorted(
                 str(k)
-                for k, locs in st.blocks.get(r.instance_id, {}).items()
+                for k, locs in (st.blocks.get(r.instance_id) or KeyMap()).items()
                 for loc, specs in locs.items()
                 if loc[0] == r.storage_type
                 and loc[2] == r.host_ip_port
@@ -379,7 +380,7 @@ class KvcmServer:
                     "stored_versions": sorted(
                         {
                             v
-                            for locs in st.blocks.get(r.instance_id, {}).values()
+                            for locs in (st.blocks.get(r.instance_id) or KeyMap()).values()
                             for loc, sp in locs.items()
                             if loc[2] == r.host_ip_port
                             for v in (uri_version(u) for _, u in sp)

@@ -14,6 +14,7 @@ from sidecar.kvcm_server import proto as P
 from sidecar.kvcm_server.state import (
     ARRIVALS_MAX,
     ApiError,
+    KeyMap,
     Loc,
     Reporter,
     Specs,
@@ -389,7 +390,7 @@ class EventReport:
             if self.commit_delay_s:
                 await asyncio.sleep(self.commit_delay_s)  # fault injection: a slow commit
             version = P.new_version()
-            inst_blocks = st.blocks.setdefault(r.instance_id, {})
+            inst_blocks = st.blocks.setdefault(r.instance_id, KeyMap())
             stamped = _Stamper(version)
             locs: dict[str, Loc] = {}
             now = st.clock()
@@ -403,7 +404,7 @@ class EventReport:
                     inst_blocks[key] = {loc: stamped(specs)}
                 else:
                     at[loc] = stamped(specs)
-                st.note_arrival(r, key, now)
+            st.note_arrivals(r, (key for key, _ in blocks), now)
             st.gc_reporter(r, keep_version=version)  # omitted blocks vanish at once
             r.version = version
             r.stamper = stamped
@@ -439,13 +440,14 @@ class _Stamper:
 class _Puts:
     """ADD and DELETE of one request against one reporter (last op wins per key/medium/spec)."""
 
-    __slots__ = ("blocks", "locs", "now", "r", "st", "stamper")
+    __slots__ = ("arrivals_left", "blocks", "locs", "now", "r", "st", "stamper")
 
     def __init__(self, st: State, r: Reporter) -> None:
         self.st = st
         self.r = r
-        self.blocks = st.blocks.setdefault(r.instance_id, {})
+        self.blocks = st.blocks.setdefault(r.instance_id, KeyMap())
         self.now = st.clock()  # one arrival time per request: its events arrived together
+        self.arrivals_left = ARRIVALS_MAX - len(r.arrivals)
         self.locs: dict[str, Loc] = {}
         self.stamper: _Stamper | None = None
 
@@ -474,19 +476,21 @@ class _Puts:
 
     def add(self, key: int, loc: Loc, stamped: Specs) -> None:
         """Store `stamped` (from `stamped()`) at `loc` (from `loc()`) of block `key`."""
-        at = self.blocks.get(key)
+        blocks = self.blocks.shard(key)
+        at = blocks.get(key)
         if at is None:
-            self.blocks[key] = {loc: stamped}
+            blocks[key] = {loc: stamped}
         else:
             old = at.get(loc)
             if old is not stamped:
                 at[loc] = stamped if old is None else tuple({**dict(old), **dict(stamped)}.items())
-        arrivals = self.r.arrivals  # State.note_arrival, inlined: this is the hot loop
+        arrivals = self.r.arrivals.shard(key)  # State.note_arrivals, inlined: the hot loop
         if key not in arrivals:
-            if len(arrivals) < ARRIVALS_MAX:
+            if self.arrivals_left > 0:
+                self.arrivals_left -= 1
                 arrivals[key] = self.now
         else:
-            self.st.note_arrival(self.r, key, self.now)
+            self.st.note_rearrival(self.r, key, self.now)
 
     def delete(self, key: int, loc: Loc, names: Any) -> None:
         self._version()
