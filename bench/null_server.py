@@ -1,32 +1,49 @@
-"""A minimal null KVCM for bench/sidecar.py: `python -m bench.null_server`.
+"""A minimal null KVCM for bench/sidecar.py: `python -m bench.null_server [--record]`.
 
 Answers every HTTP/1.1 POST with a fixed OK reportEvent response once the body (Content-Length)
-has arrived, in its own process. It is a bare asyncio protocol that counts body bytes without
-keeping them, so the figures measure the sidecar's pipeline rather than a web framework on the
-other end of the socket. Prints its URL.
+has arrived, in its own process. It is a bare asyncio protocol, so the figures measure the
+sidecar's pipeline rather than a web framework on the other end of the socket. Prints its URL.
+
+With `--record` it also notes when each block key first arrived (one regex over each body) and
+serves (and forgets) them on `GET /debug/arrivals` in the stand-in's format: the latency
+benchmark then measures engine -> ring -> sidecar -> bytes at the manager, without the Python
+stand-in's own processing time (which, sharing this 2-vCPU VM with the engine simulator and
+the sidecar, saturates at 100k events/s).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import sys
+import time
 from typing import Any
 
 import uvloop
 
 BODY = b'{"header":{"status":{"code":"OK","message":""}},"retry_after_ms":"0"}'
-RESPONSE = (
-    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-    + str(len(BODY)).encode()
-    + b"\r\n\r\n"
-    + BODY
-)
+KEY = re.compile(rb'"block_key":"(\d+)"')
+U64 = 1 << 64
+
+
+def _response(body: bytes) -> bytes:
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+    return head + str(len(body)).encode() + b"\r\n\r\n" + body
+
+
+OK = _response(BODY)
+ARRIVALS: dict[str, float] = {}  # bare floats: a list per key made the collector pause this
 
 
 class NullHttp(asyncio.Protocol):
+    record = False
+
     def __init__(self) -> None:
         self.head = b""
         self.body_left = -1  # -1: reading headers
+        self.request_line = b""
+        self.chunks: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport: Any = transport  # uvloop's transports are not asyncio.Transport
@@ -39,23 +56,40 @@ class NullHttp(asyncio.Protocol):
                 end = self.head.find(b"\r\n\r\n")
                 if end < 0:
                     return
-                headers, rest = self.head[:end].lower(), self.head[end + 4 :]
+                headers, rest = self.head[:end], self.head[end + 4 :]
                 self.head = b""
+                self.request_line = headers.split(b"\r\n", 1)[0]
                 length = 0
-                for line in headers.split(b"\r\n"):
+                for line in headers.lower().split(b"\r\n"):
                     if line.startswith(b"content-length:"):
                         length = int(line.split(b":", 1)[1])
                 self.body_left = length
                 view = memoryview(rest)
             take = min(self.body_left, len(view))
+            if self.record and take:
+                self.chunks.append(bytes(view[:take]))
             self.body_left -= take
             view = view[take:]
             if self.body_left == 0:
-                self.transport.write(RESPONSE)
                 self.body_left = -1
+                self.transport.write(self._answer())
+
+    def _answer(self) -> bytes:
+        if self.request_line.startswith(b"GET /debug/arrivals"):
+            body = json.dumps({k: [t] for k, t in ARRIVALS.items()}).encode()
+            ARRIVALS.clear()  # one read per latency run: the next run starts afresh
+            return _response(body)
+        if self.chunks:
+            now = time.monotonic()
+            for text in KEY.findall(b"".join(self.chunks)):
+                v = int(text)
+                ARRIVALS.setdefault(str(v - U64 if v >= 1 << 63 else v), now)
+            self.chunks = []
+        return OK
 
 
 async def main() -> None:
+    NullHttp.record = "--record" in sys.argv[1:]
     loop = asyncio.get_running_loop()
     server = await loop.create_server(NullHttp, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]

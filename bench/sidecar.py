@@ -130,8 +130,8 @@ def _kvcm_server(extra: tuple[str, ...] = ()) -> tuple[Child, str]:
     return c, _listening(c)
 
 
-def _null_server() -> tuple[Child, str]:
-    c = Child(PY, "-m", "bench.null_server")
+def _null_server(*flags: str) -> tuple[Child, str]:
+    c = Child(PY, "-m", "bench.null_server", *flags)
     return c, _listening(c)
 
 
