@@ -14,34 +14,36 @@ from collections.abc import Iterable
 import numpy as np
 
 from sidecar.shm_ring.fold import fold_ops
-from sidecar.shm_ring.key_index import KeyIndex, fit, sized_for
+from sidecar.shm_ring.key_table import KeyTable
 from sidecar.shm_ring.layout import KIND_CLEARED
 
-FOLD_AT = 1 << 16  # queued records before a fold: amortises numpy's fixed per-call cost
+# Queued records before a fold: amortises numpy's fixed per-call cost, while keeping one fold
+# (which runs in the engine's flush) to a few ms; 65 536 made a fold of new keys take 25-80 ms.
+FOLD_AT = 1 << 13
+_MIN_CAP = 1 << 16
 
 
 class ResidentSet:
-    """key -> group mask: a dense (key, mask) array in insertion order plus a hash index.
+    """key -> group mask: dense (key, mask) columns in insertion order behind a hash index.
 
-    A removed key keeps its dense entry with mask 0 until the next compaction, so `export()` is
-    two slice copies (the snapshot format treats mask-0 entries as "not held").
+    A removed key keeps its dense entry with mask 0 until the next re-index, so `export()` is
+    two slice copies (the snapshot format treats mask-0 entries as "not held"). The re-index is
+    done a bounded piece per fold (sidecar/shm_ring/key_table.py), so no flush pays for all of it.
     """
 
-    def __init__(self, capacity: int = 1 << 16) -> None:
-        self._alloc(capacity)
+    def __init__(self, capacity: int = _MIN_CAP) -> None:
+        self._capacity = capacity
+        self._t = self._table()
         self._queue_k: list[np.ndarray] = []
         self._queue_m: list[np.ndarray] = []
         self._queued = 0
 
-    def _alloc(self, capacity: int, keys: np.ndarray | None = None) -> None:
-        self._idx = KeyIndex(capacity)
-        if keys is not None:
-            self._idx.insert_absent(keys)  # at positions 0..len-1, in order
-        self._dmasks = np.zeros(len(self._idx.keys), np.uint32)
+    def _table(self) -> KeyTable:
+        return KeyTable({"masks": np.uint32}, live=("masks",), min_capacity=self._capacity)
 
     @property
     def _cap(self) -> int:
-        return self._idx.cap
+        return self._t.idx.cap
 
     # ---- recording ------------------------------------------------------------------------
     def apply(self, keys: np.ndarray, metas: np.ndarray) -> None:
@@ -69,7 +71,7 @@ class ResidentSet:
         start = 0
         for c in np.flatnonzero(kinds == KIND_CLEARED).tolist():
             self._fold_segment(keys[start:c], metas[start:c])
-            self._alloc(1 << 16)  # everything gone
+            self._t = self._table()  # everything gone
             start = c + 1
         self._fold_segment(keys[start:], metas[start:])
 
@@ -77,40 +79,22 @@ class ResidentSet:
         if not len(keys):
             return
         ukeys, set_m, clr_m = fold_ops(keys, metas)
-        pos = self._positions(ukeys)
-        m = self._dmasks[pos].astype(np.int64)
-        self._dmasks[pos] = ((m & ~clr_m) | set_m).astype(np.uint32)
-
-    # ---- the index ------------------------------------------------------------------------
-    def _positions(self, ukeys: np.ndarray) -> np.ndarray:
-        """Dense position of each distinct key, appending the missing ones."""
-        if self._idx.crowded(len(ukeys)):
-            self._rebuild(len(ukeys))
-        before = self._idx.n
-        pos = self._idx.find(ukeys)
-        self._dmasks = fit(self._dmasks, self._idx.n)
-        self._dmasks[before : self._idx.n] = 0
-        return pos
-
-    def _rebuild(self, incoming: int) -> None:
-        """Grow, and compact away removed keys: re-index the live entries in a fresh index."""
-        n = self._idx.n
-        live = self._dmasks[:n] != 0
-        keys, masks = self._idx.keys[:n][live], self._dmasks[:n][live]
-        self._alloc(sized_for(len(keys) + incoming, 1 << 16), keys)
-        self._dmasks[: len(keys)] = masks
+        pos = self._t.find(ukeys)
+        masks = self._t.cols["masks"]
+        m = masks[pos].astype(np.int64)
+        masks[pos] = ((m & ~clr_m) | set_m).astype(np.uint32)
 
     # ---- reading --------------------------------------------------------------------------
     def __len__(self) -> int:
         """Resident keys as of the last fold. Never folds: it is read from threads that do not
         hold the hook's flush lock (stats()), and only that lock's holder may fold."""
-        return int(np.count_nonzero(self._dmasks[: self._idx.n]))
+        return int(np.count_nonzero(self._t.cols["masks"][: self._t.n]))
 
     def export(self) -> tuple[np.ndarray, np.ndarray]:
         """(keys, masks) as of every record applied; mask-0 entries are keys not held."""
         self._fold()
-        n = self._idx.n
-        return self._idx.keys[:n].copy(), self._dmasks[:n].copy()
+        n = self._t.n
+        return self._t.keys[:n].copy(), self._t.cols["masks"][:n].copy()
 
     def as_dict(self) -> dict[int, int]:
         keys, masks = self.export()

@@ -11,37 +11,15 @@ operation works on whole batches.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from sidecar.shm_ring.fold import fold_ops
-from sidecar.shm_ring.key_index import KeyIndex, fit, sized_for
+from sidecar.shm_ring.key_table import KeyTable, Mover
 from sidecar.shm_ring.layout import KIND_CLEARED
 
 _MIN_CAP = 1 << 12
-# Re-indexing (growth, and dropping removed keys) starts when the index is this full and is done
-# a bounded piece per insert call, so no drain step stalls for the whole of it: first the new
-# arrays' pages are touched, FAULT_STEP_BYTES per call (a page fault costs ~5 us on a VM, and a
-# fresh table faults on nearly every random write), then REBUILD_STEP keys move per call (~2-3
-# ms each), then one switch moves the columns (~17 ms at 580 k keys, where a one-shot rebuild
-# held the event loop ~100 ms). It completes at once only if the old index reaches 70 % first.
-REBUILD_AT = 0.55
-REBUILD_STEP = 8_192
-FAULT_STEP_BYTES = 2 << 20
-_PAGE = 4096
-
-
-class _Rebuild:
-    """A fresh index being filled with the keys that were live when it started."""
-
-    __slots__ = ("cols", "idx", "kept", "work")
-
-    def __init__(self, idx: KeyIndex, kept: np.ndarray, cols: dict[str, np.ndarray]):
-        self.idx = idx
-        self.kept = kept  # old dense positions, ascending; kept[i] moves to new position i
-        self.cols = cols  # the new columns, zeroed
-        self.work: Iterator[None] = iter(())
 
 
 class _Size:
@@ -101,127 +79,43 @@ class KeyState:
         self.dirty_since = 0.0  # when the dirty queue last went from empty to non-empty
         self.required = sum(1 << g for g in set(required_groups)) or 1
         self.published_count = 0
-        self._epoch = 0  # dense positions change when the index is replaced
-        self._idx = KeyIndex(_MIN_CAP)
-        self._rebuild: _Rebuild | None = None
-        size = len(self._idx.keys)
-        self._masks = np.zeros(size, np.int64)
-        self._acked = np.zeros(size, np.bool_)
-        self._queued = np.zeros(size, np.bool_)
+        self._t = KeyTable(
+            {"masks": np.int64, "acked": np.bool_, "queued": np.bool_},
+            live=("masks", "acked", "queued"),  # held, confirmed, or waiting to be sent
+            min_capacity=_MIN_CAP,
+        )
+        self._t.on_move = self._move_queue
         self._queue: list[np.ndarray] = []  # dense positions, in the order they became dirty
         self._ndirty = 0
         self._nacked = 0
 
-    # ---- storage and index ------------------------------------------------------------------
-    _COLUMNS = ("_masks", "_acked", "_queued")
+    # ---- storage: columns in a KeyTable (re-indexed in bounded steps) -----------------------
+    @property
+    def _masks(self) -> np.ndarray:
+        return self._t.cols["masks"]
+
+    @property
+    def _acked(self) -> np.ndarray:
+        return self._t.cols["acked"]
+
+    @property
+    def _queued(self) -> np.ndarray:
+        return self._t.cols["queued"]
 
     @property
     def _n(self) -> int:
-        return self._idx.n
+        return self._t.n
 
     @property
     def _keys(self) -> np.ndarray:
-        return self._idx.keys
+        return self._t.keys
 
     def _find(self, ukeys: np.ndarray, insert: bool) -> np.ndarray:
         """Dense position of each distinct key (-1 if absent and not inserting)."""
-        if not insert:
-            return self._idx.find(ukeys, insert=False)
-        self._reindex_step(len(ukeys))
-        before = self._idx.n
-        pos = self._idx.find(ukeys)
-        for name in self._COLUMNS:
-            col = fit(getattr(self, name), self._idx.n)
-            col[before : self._idx.n] = 0
-            setattr(self, name, col)
-        return pos
+        return self._t.find(ukeys, insert)
 
-    def _live(self) -> np.ndarray:
-        """Positions of keys worth keeping: held, acked or queued."""
-        n = self._n
-        live: np.ndarray = np.flatnonzero(
-            (self._masks[:n] != 0) | self._acked[:n] | self._queued[:n]
-        )
-        return live
-
-    def _reindex_step(self, incoming: int) -> None:
-        """Start, advance or finish the re-index, so that `incoming` keys can be inserted."""
-        while True:
-            idx, rb = self._idx, self._rebuild
-            if rb is None:
-                if idx.n + incoming <= idx.cap * REBUILD_AT:
-                    return
-                rb = self._rebuild = self._start_rebuild(incoming)
-            finish = idx.crowded(incoming)  # the old index cannot take them: finish now
-            for _ in rb.work:
-                if not finish:
-                    return
-            self._switch(rb)
-            if not self._idx.crowded(incoming):
-                return
-            # Keys inserted while it was built filled the new index: go round again.
-
-    def _start_rebuild(self, incoming: int) -> _Rebuild:
-        kept = self._live()
-        new = KeyIndex(sized_for(len(kept) + incoming, _MIN_CAP))
-        cols = {name: np.zeros(len(new.keys), getattr(self, name).dtype) for name in self._COLUMNS}
-        rb = _Rebuild(new, kept, cols)
-        rb.work = self._rebuild_work(rb)
-        return rb
-
-    def _rebuild_work(self, rb: _Rebuild) -> Iterator[None]:
-        """The rebuild, yielding after each bounded piece."""
-        budget = FAULT_STEP_BYTES
-        dense = len(rb.kept) + REBUILD_STEP  # the rest fills in order, faulting as it goes
-        for arr in (
-            rb.idx._tkeys,
-            rb.idx._tpos,
-            rb.idx.keys[:dense],
-            *(c[:dense] for c in rb.cols.values()),
-        ):
-            flat = arr.view(np.uint8)
-            for at in range(0, len(flat), _PAGE * 256):
-                flat[at : at + _PAGE * 256 : _PAGE] = 0  # one write per page: its fault
-                budget -= _PAGE * 256
-                if budget <= 0:
-                    budget = FAULT_STEP_BYTES
-                    yield
-        yield
-        for at in range(0, len(rb.kept), REBUILD_STEP):
-            rb.idx.insert_absent(self._keys[rb.kept[at : at + REBUILD_STEP]])
-            yield
-
-    def _switch(self, rb: _Rebuild) -> None:
-        """Adopt the rebuilt index: keys that became live meanwhile join it, columns move."""
-        self._rebuild = None
-        kept, k = rb.kept, len(rb.kept)
-        live = self._live()
-        n0 = int(kept[-1]) + 1 if k else 0
-        low = live[: np.searchsorted(live, n0)]
-        if np.array_equal(low, kept):  # the usual case: nothing below n0 came back to life
-            missing = live[len(low) :]
-        else:
-            was_kept = np.zeros(self._n, np.bool_)
-            was_kept[kept] = True
-            missing = live[~was_kept[live]]  # inserted, or revived, since the rebuild started
-        rb.idx.insert_absent(self._keys[missing])  # positions k, k+1, ...
-        for name in self._COLUMNS:
-            old, col = getattr(self, name), fit(rb.cols[name], len(rb.idx.keys))
-            col[:k] = old[kept]
-            col[k : k + len(missing)] = old[missing]
-            setattr(self, name, col)
-        self._idx = rb.idx
-        self._epoch += 1
-
-        def moved(q: np.ndarray) -> np.ndarray:
-            # Queued keys are live: each is in `kept` (new position: its index there) or in
-            # `missing` (k + its index there); both are sorted.
-            i = np.searchsorted(kept, q)
-            hit = (i < k) & (kept[np.minimum(i, max(k - 1, 0))] == q) if k else i < 0
-            out: np.ndarray = np.where(hit, i, k + np.searchsorted(missing, q))
-            return out
-
-        self._queue = [moved(q) for q in self._queue if len(q)]
+    def _move_queue(self, moved: Mover) -> None:
+        self._queue = [moved(q) for q in self._queue if len(q)]  # queued keys are live
 
     def _published(self, masks: np.ndarray) -> np.ndarray:
         out: np.ndarray = (masks & self.required) == self.required
@@ -351,7 +245,7 @@ class KeyState:
         pos, pubs = np.concatenate(out_pos), np.concatenate(out_p)
         order = np.argsort(~pubs, kind="stable")  # each key once, so ADD/DELETE order is free
         pos = pos[order]
-        return Batch(self._keys[pos], pubs[order], pos, self._epoch)
+        return Batch(self._keys[pos], pubs[order], pos, self._t.epoch)
 
     def confirm(self, sent: Batch, failed: Iterable[int] = ()) -> None:
         """KVCM applied `sent` except the items at `failed` indexes, which go back in front."""
@@ -361,7 +255,7 @@ class KeyState:
         failed_idx = sorted(set(failed))
         bad[failed_idx] = True
         keys, pubs = sent.keys, sent.publish
-        pos = sent.pos if sent.epoch == self._epoch else None
+        pos = sent.pos if sent.epoch == self._t.epoch else None
         if pos is None:  # compacted while in flight: look the keys up again
             pos = self._find(keys, insert=True)
         ok = ~bad

@@ -127,9 +127,10 @@ def test_key_state_tiny_index_compacts_and_grows_correctly(
 ) -> None:
     """Force stepwise re-indexing (growth; removed, unacked keys dropped) every few ops."""
     from sidecar import key_state
+    from sidecar.shm_ring import key_table
 
-    old = key_state._MIN_CAP, key_state.REBUILD_STEP
-    key_state._MIN_CAP, key_state.REBUILD_STEP = 4, step
+    old = key_state._MIN_CAP, key_table.REBUILD_STEP
+    key_state._MIN_CAP, key_table.REBUILD_STEP = 4, step
     try:
         ks = KeyState((0, 1))
         in_flight = ks.take_batch(0)
@@ -147,18 +148,19 @@ def test_key_state_tiny_index_compacts_and_grows_correctly(
             ks.confirm(ks.take_batch(batch))
         assert ks.acked_keys() == set(ks.published_keys().tolist()) and ks.in_sync()
     finally:
-        key_state._MIN_CAP, key_state.REBUILD_STEP = old
+        key_state._MIN_CAP, key_table.REBUILD_STEP = old
 
 
 def _rebuilding(ks: KeyState) -> bool:
-    return ks._rebuild is not None
+    return ks._t.rebuild is not None
 
 
 def test_key_state_keys_changed_during_a_stepwise_reindex_survive_it() -> None:
     from sidecar import key_state
+    from sidecar.shm_ring import key_table
 
-    old = key_state._MIN_CAP, key_state.REBUILD_STEP
-    key_state._MIN_CAP, key_state.REBUILD_STEP = 16, 2
+    old = key_state._MIN_CAP, key_table.REBUILD_STEP
+    key_state._MIN_CAP, key_table.REBUILD_STEP = 16, 2
     try:
         ks = KeyState((0,))
         ks.apply(records([(L.KIND_STORED, 0, k) for k in range(8)]))
@@ -179,7 +181,7 @@ def test_key_state_keys_changed_during_a_stepwise_reindex_survive_it() -> None:
             ks.confirm(ks.take_batch(3))
         assert ks.acked_keys() == held and ks.in_sync()
     finally:
-        key_state._MIN_CAP, key_state.REBUILD_STEP = old
+        key_state._MIN_CAP, key_table.REBUILD_STEP = old
 
 
 def test_key_state_dirty_since_is_when_the_oldest_unsent_change_arrived() -> None:

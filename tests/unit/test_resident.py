@@ -37,12 +37,19 @@ def model(ops: list[tuple[int, int, int]]) -> dict[int, int]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops=OPS, chunk=st.integers(1, 50), fold_at=st.sampled_from([1, 7, 1 << 16]))
+@given(
+    ops=OPS,
+    chunk=st.integers(1, 50),
+    fold_at=st.sampled_from([1, 7, 1 << 16]),
+    step=st.integers(1, 4),
+)
 def test_resident_set_equals_fold_of_all_ops(
-    ops: list[tuple[int, int, int]], chunk: int, fold_at: int
+    ops: list[tuple[int, int, int]], chunk: int, fold_at: int, step: int
 ) -> None:
-    old = resident.FOLD_AT
-    resident.FOLD_AT = fold_at
+    from sidecar.shm_ring import key_table
+
+    old = resident.FOLD_AT, key_table.REBUILD_STEP
+    resident.FOLD_AT, key_table.REBUILD_STEP = fold_at, step  # re-indexes span many folds
     try:
         rs = ResidentSet(capacity=16)  # tiny: forces growth and rebuilds
         for i in range(0, len(ops), chunk):
@@ -53,7 +60,7 @@ def test_resident_set_equals_fold_of_all_ops(
         assert rs.as_dict() == model(ops)
         assert len(rs) == len(model(ops))  # as_dict() folded everything queued
     finally:
-        resident.FOLD_AT = old
+        resident.FOLD_AT, key_table.REBUILD_STEP = old
 
 
 def test_resident_set_churn_keeps_table_bounded() -> None:
