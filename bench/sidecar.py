@@ -3,8 +3,9 @@
 ingest     ring -> key state, events/s at a fixed offered rate, and the drops (must be 0)
 reporting  key changes/s from the ring to bytes on the wire (ring read, key state, batches,
            encode, HTTP) against a null HTTP server and against the KVCM-compatible server
-latency    engine stored() -> first arrival at KVCM, p50/p99 at 10k and 100k events/s,
-           through the real daemon (`kvcm-sidecar run`)
+latency    engine stored() -> first arrival at the manager, p50/p99 at 10k and 100k events/s,
+           through the real daemon (`kvcm-sidecar run`): to a recording null manager (what the
+           sidecar adds) and to the KVCM-compatible server (end to end, all on this machine)
 snapshot   building and sending one 1,000,000-key snapshot (null server)
 resources  the daemon's idle CPU over --idle-seconds, and RSS empty and with 1 M keys
 
@@ -249,7 +250,7 @@ async def _arrivals(base: str, host: str) -> dict[str, list[float]]:
         return out
 
 
-def latency(base: str, rate: float, seconds: float) -> dict[str, float]:
+def latency(base: str, rate: float, seconds: float, label: str = "") -> dict[str, float]:
     ring = f"/kvcm-bench-lat-{os.getpid()}-{int(rate)}"
     unlink(ring)
     inst = f"bench-lat-{int(rate)}"
@@ -277,7 +278,7 @@ def latency(base: str, rate: float, seconds: float) -> dict[str, float]:
     side.p.wait(timeout=20)
     prod.stop()
     unlink(ring)
-    tag = f"{int(rate / 1000)}k"
+    tag = f"{label}{int(rate / 1000)}k"
     return {
         f"latency_{tag}_p50_ms": float(np.percentile(lat, 50)),
         f"latency_{tag}_p99_ms": float(np.percentile(lat, 99)),
@@ -382,6 +383,14 @@ def main() -> None:
         uvloop.run(http_part(null))  # the daemon's event loop
     finally:
         nullc.stop()
+    # Latency to a manager that costs nothing per key (it only notes arrival times): what the
+    # sidecar adds, the figure the goal is about. Then the same through the stand-in below.
+    nullc, null = _null_server("--record")
+    try:
+        res.update(latency(null, 10_000, 2 if q else 5, "null_"))
+        res.update(latency(null, 100_000, 2 if q else 5, "null_"))
+    finally:
+        nullc.stop()
     kvcm, base = _kvcm_server(("--snapshot-min-interval-ms", "0"))
     try:
         res["report_kvcm_keys_per_s"] = uvloop.run(reporting(base, 20_000 if q else 100_000, batch))
@@ -394,7 +403,14 @@ def main() -> None:
         "ingest >= 2M events/s, zero drops": res["ingest_events_per_s"] >= 2e6
         and res["ingest_dropped"] == 0,
         "reporting >= 1M key-changes/s to the null server": res["report_null_keys_per_s"] >= 1e6,
-        "p99 <= flush window + 5 ms at 100k events/s": res["latency_100k_p99_ms"] <= 25,
+        "p99 <= flush window + 5 ms at 100k events/s (recording null manager)": res[
+            "latency_null_100k_p99_ms"
+        ]
+        <= 25,
+        "p99 <= flush window + 5 ms at 100k events/s (through the stand-in)": res[
+            "latency_100k_p99_ms"
+        ]
+        <= 25,
         "1M-key snapshot encode <= 0.5 s": res["snapshot_1m_encode_s"] <= 0.5,
         "idle CPU <= 1% of a core": res["idle_cpu_fraction_of_core"] <= 0.01,
         "RSS <= 80 MB + 100 B/key": res["rss_with_keys_bytes"] <= 80e6 + 100 * res["rss_keys"],

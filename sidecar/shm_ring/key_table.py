@@ -152,13 +152,26 @@ class KeyTable:
         self.idx = rb.idx
         self.epoch += 1
         if self.on_move is not None:
+            self.on_move(self._mover(kept, missing))
 
-            def moved(q: np.ndarray) -> np.ndarray:
-                # Each live position is in `kept` (new: its index there) or in `missing`
-                # (new: k + its index there); both are sorted.
-                i = np.searchsorted(kept, q)
-                hit = (kept[np.minimum(i, k - 1)] == q) & (i < k) if k else np.zeros(len(q), bool)
-                out: np.ndarray = np.where(hit, i, k + np.searchsorted(missing, q))
+    def _mover(self, kept: np.ndarray, missing: np.ndarray) -> Mover:
+        """Old live positions -> new: kept[i] -> i, missing[j] -> len(kept) + j."""
+        k = len(kept)
+        n = int(max(kept[-1] if k else -1, missing[-1] if len(missing) else -1)) + 1
+        remap: np.ndarray | None = None
+
+        def moved(q: np.ndarray) -> np.ndarray:
+            nonlocal remap
+            if remap is None and len(q) * 16 > n:  # many to move: one table beats searching
+                remap = np.empty(n, np.int64)
+                remap[kept] = np.arange(k)
+                remap[missing] = np.arange(k, k + len(missing))
+            if remap is not None:
+                out: np.ndarray = remap[q]
                 return out
+            i = np.searchsorted(kept, q)  # both lists are sorted
+            hit = (kept[np.minimum(i, k - 1)] == q) & (i < k) if k else np.zeros(len(q), bool)
+            out = np.where(hit, i, k + np.searchsorted(missing, q))
+            return out
 
-            self.on_move(moved)
+        return moved
