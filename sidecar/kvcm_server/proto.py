@@ -191,8 +191,8 @@ def parse_block_key(value: Any, *, allow_number: bool = False) -> int | None:
     """Decimal text (leading zeros allowed, no '+' or spaces) in [-2^63, 2^64) -> int64 pattern."""
     if type(value) is str:
         digits = value[1:] if value[:1] == "-" else value
-        if not (digits.isascii() and digits.isdigit()):
-            return None
+        if not (digits.isascii() and digits.isdigit()) or len(digits.lstrip("0")) > 20:
+            return None  # (also keeps int() away from CPython's 4300-digit limit)
         v = int(value)
     elif isinstance(value, int) and not isinstance(value, bool) and allow_number:
         v = value
@@ -282,9 +282,9 @@ def decode_report(body: bytes) -> tuple[TReport, list[str]] | None:
         req = _report_decoder.decode(body)
     except (msgspec.DecodeError, RecursionError):
         return None
-    fast = _FAST_TYPES
-    types = [fast.get(e.event_type, "") for e in req.events]
-    for e, t in zip(req.events, types, strict=True):
+    types = []
+    for e in req.events:
+        t = _FAST_TYPES.get(e.event_type, "")
         payload = (
             e.block_add
             if t == "EVENT_BLOCK_ADD"
@@ -296,4 +296,5 @@ def decode_report(body: bytes) -> tuple[TReport, list[str]] | None:
         )
         if payload is None:
             return None  # the dict path names the missing payload or the unknown type
+        types.append(t)
     return req, types

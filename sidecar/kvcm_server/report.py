@@ -276,19 +276,16 @@ class EventReport:
         specs: tuple[P.TSpec, ...] | None = None
         loc: Loc = ("", "", "")
         stamped: Specs = ()
+        inject = self.fail_items > 0  # (only this loop decrements it)
         for ev, etype in zip(req.events, types, strict=True):
             try:
-                if self.fail_items > 0:
+                if inject and self.fail_items > 0:
                     self.fail_items -= 1
                     raise ItemError("INTERNAL_ERROR", "injected item failure")
                 if etype == ADD:
                     a = ev.block_add
                     assert a is not None  # decode_report checked
-                    text = a.block_key
-                    if text.isdigit() and text.isascii() and len(text) < 19:
-                        key = int(text)
-                    else:
-                        key = _typed_key(text)
+                    key = _typed_key(a.block_key)
                     if a.medium != medium:
                         loc = puts.loc(a.medium)
                         medium = a.medium
@@ -362,11 +359,7 @@ class EventReport:
         specs: tuple[P.TSpec, ...] | None = None
         spec_dict: dict[str, str] = {}
         for b in snap.blocks:
-            text = b.block_key
-            if text.isdigit() and text.isascii() and len(text) < 19:
-                key = int(text)
-            else:
-                key = _typed_key(text)
+            key = _typed_key(b.block_key)
             medium = b.medium if b.medium is not None else outer or ""
             if medium != checked:
                 if not medium or "#" in medium:
@@ -440,12 +433,24 @@ class _Stamper:
 class _Puts:
     """ADD and DELETE of one request against one reporter (last op wins per key/medium/spec)."""
 
-    __slots__ = ("arrivals_left", "blocks", "locs", "now", "r", "st", "stamper")
+    __slots__ = (
+        "arrival_shards",
+        "arrivals_left",
+        "block_shards",
+        "blocks",
+        "locs",
+        "now",
+        "r",
+        "st",
+        "stamper",
+    )
 
     def __init__(self, st: State, r: Reporter) -> None:
         self.st = st
         self.r = r
         self.blocks = st.blocks.setdefault(r.instance_id, KeyMap())
+        self.block_shards = self.blocks.shards  # add() picks shards itself: it is the hot loop
+        self.arrival_shards = r.arrivals.shards
         self.now = st.clock()  # one arrival time per request: its events arrived together
         self.arrivals_left = ARRIVALS_MAX - len(r.arrivals)
         self.locs: dict[str, Loc] = {}
@@ -476,7 +481,8 @@ class _Puts:
 
     def add(self, key: int, loc: Loc, stamped: Specs) -> None:
         """Store `stamped` (from `stamped()`) at `loc` (from `loc()`) of block `key`."""
-        blocks = self.blocks.shard(key)
+        shard = _ROUTE[key & _ROUTE_MASK]
+        blocks = self.block_shards[shard]
         at = blocks.get(key)
         if at is None:
             blocks[key] = {loc: stamped}
@@ -484,7 +490,7 @@ class _Puts:
             old = at.get(loc)
             if old is not stamped:
                 at[loc] = stamped if old is None else tuple({**dict(old), **dict(stamped)}.items())
-        arrivals = self.r.arrivals.shard(key)  # State.note_arrivals, inlined: the hot loop
+        arrivals = self.arrival_shards[shard]  # State.note_arrivals, inlined
         if key not in arrivals:
             if self.arrivals_left > 0:
                 self.arrivals_left -= 1
@@ -519,11 +525,18 @@ def _typed_specs(specs: tuple[P.TSpec, ...]) -> dict[str, str]:
     return out
 
 
+_I63, _U64 = 1 << 63, 1 << 64
+_ROUTE, _ROUTE_MASK = KeyMap.ROUTE, KeyMap.MASK
+
+
 def _typed_key(text: str) -> int:
-    if text.isdigit() and text.isascii():
+    """block_key text -> int64 pattern; first the usual case: unsigned, at most 20 digits."""
+    if len(text) <= 20 and text.isdigit() and text.isascii():
         v = int(text)
-        if v < 1 << 63:
+        if v < _I63:
             return v
+        if v < _U64:
+            return v - _U64
     key = P.parse_block_key(text)
     if key is None:
         raise ItemError("INVALID_ARGUMENT", f"block_key {text!r} is invalid")

@@ -48,37 +48,53 @@ class ApiError(Exception):
 V = TypeVar("V")
 
 
-class KeyMap(Generic[V]):
-    """A dict keyed by block key, split in SHARDS dicts by the key's low bits.
+def _staggered_route(shards: int, buckets: int) -> list[int]:
+    """bucket -> shard, shard s taking a share proportional to 2 ** (s / shards)."""
+    weights = [2 ** (s / shards) for s in range(shards)]
+    total = sum(weights)
+    route: list[int] = []
+    acc = 0.0
+    for s, w in enumerate(weights):
+        acc += w
+        route += [s] * (round(acc / total * buckets) - len(route))
+    return route
 
-    A dict grows by copying all of itself: at 350 k keys one such copy held requests ~20 ms, and
-    the block map and the arrival times grew at the same moments. Split, each copy is 1/64 of
-    that. Hot loops pick the shard once (`shard(key)`) and use the plain dict.
+
+class KeyMap(Generic[V]):
+    """A dict keyed by block key, split in SHARDS dicts whose sizes differ on purpose.
+
+    A dict grows by copying all of itself: at 350 k keys one such copy held requests ~20 ms (the
+    block map and the arrival times grew at the same moment). Equal shards would all reach their
+    growth point in the same request, which costs the same; here shard s holds a share
+    proportional to 2 ** (s / SHARDS), so over any doubling of the key count each shard grows
+    once, at its own moment. Hot loops route a key themselves: `shards[ROUTE[key & MASK]]`.
     """
 
     SHARDS = 64
+    MASK = 4095
+    ROUTE = _staggered_route(SHARDS, MASK + 1)
     __slots__ = ("shards",)
 
     def __init__(self) -> None:
         self.shards: list[dict[int, V]] = [{} for _ in range(self.SHARDS)]
 
     def shard(self, key: int) -> dict[int, V]:
-        return self.shards[key & (self.SHARDS - 1)]
+        return self.shards[self.ROUTE[key & self.MASK]]
 
     def get(self, key: int) -> V | None:
-        return self.shards[key & (self.SHARDS - 1)].get(key)
+        return self.shard(key).get(key)
 
     def __getitem__(self, key: int) -> V:
-        return self.shards[key & (self.SHARDS - 1)][key]
+        return self.shard(key)[key]
 
     def __setitem__(self, key: int, value: V) -> None:
-        self.shards[key & (self.SHARDS - 1)][key] = value
+        self.shard(key)[key] = value
 
     def __delitem__(self, key: int) -> None:
-        del self.shards[key & (self.SHARDS - 1)][key]
+        del self.shard(key)[key]
 
     def __contains__(self, key: int) -> bool:
-        return key in self.shards[key & (self.SHARDS - 1)]
+        return key in self.shard(key)
 
     def __len__(self) -> int:
         return sum(map(len, self.shards))
