@@ -4,8 +4,8 @@ Imports: numpy + sidecar.shm_ring. Per key: the cache groups that hold it (from 
 engine snapshots; published when every required group does), whether KVCM has confirmed it
 (`acked`), and whether it waits in the dirty queue. Sending is always "make KVCM's copy equal to
 the engine's", so retries are idempotent and per-key coalescing (last state wins) is free.
-Everything lives in dense numpy arrays behind a hash index (~40 bytes per key), and every
-operation works on whole batches.
+Everything lives in dense numpy columns behind a hash index (shm_ring/key_table.py, ~52 bytes per
+key, re-indexed in bounded steps), and every operation works on whole batches.
 """
 
 from __future__ import annotations
