@@ -279,10 +279,14 @@ async def test_report_unsigned_and_signed_text_are_same_key(api: Api) -> None:
 
 async def test_report_leading_zeros_canonicalised(api: Api) -> None:
     await api.report(add("0042"))
-    assert await api.visible() == [42]
+    await api.report(add("0" * 30 + "43"))  # longer than 20 digits, still key 43
+    await api.report(add("18446744073709551615"))  # u64 max: the int64 -1
+    assert await api.visible() == [-1, 42, 43]
 
 
-@pytest.mark.parametrize("bad", ["+1", " 1", "1 ", "18446744073709551616", "abc", "", 5])
+@pytest.mark.parametrize(
+    "bad", ["+1", " 1", "1 ", "18446744073709551616", "abc", "", 5, "9" * 5000, "-" + "9" * 5000]
+)
 async def test_report_bad_block_key_is_item_invalid_argument(api: Api, bad: Any) -> None:
     ev = add(1)
     ev["block_add"]["block_key"] = bad
