@@ -110,7 +110,9 @@ def test_cli_bad_config_exits_2_before_touching_shm(env: dict[str, str], field: 
     )
     assert out.returncode == 2
     assert field in out.stderr and out.stderr.count("\n") == 1
-    assert set(Path("/dev/shm").iterdir()) == before
+    # Only the configured ring's names count: other processes on the machine may come and go.
+    created = set(Path("/dev/shm").iterdir()) - before
+    assert not [p for p in created if "kvcm-never-created" in p.name]
 
 
 def test_cli_check_config_prints_effective_config() -> None:
