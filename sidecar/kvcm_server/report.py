@@ -384,6 +384,7 @@ class EventReport:
                 await asyncio.sleep(self.commit_delay_s)  # fault injection: a slow commit
             version = P.new_version()
             inst_blocks = st.blocks.setdefault(r.instance_id, KeyMap())
+            st.owned.setdefault(r.key, set()).update(key for key, _ in blocks)
             stamped = _Stamper(version)
             locs: dict[str, Loc] = {}
             now = st.clock()
@@ -440,6 +441,7 @@ class _Puts:
         "blocks",
         "locs",
         "now",
+        "owned",
         "r",
         "st",
         "stamper",
@@ -453,6 +455,7 @@ class _Puts:
         self.arrival_shards = r.arrivals.shards
         self.now = st.clock()  # one arrival time per request: its events arrived together
         self.arrivals_left = ARRIVALS_MAX - len(r.arrivals)
+        self.owned = st.owned.setdefault(r.key, set())
         self.locs: dict[str, Loc] = {}
         self.stamper: _Stamper | None = None
 
@@ -490,6 +493,7 @@ class _Puts:
             old = at.get(loc)
             if old is not stamped:
                 at[loc] = stamped if old is None else tuple({**dict(old), **dict(stamped)}.items())
+        self.owned.add(key)
         arrivals = self.arrival_shards[shard]  # State.note_arrivals, inlined
         if key not in arrivals:
             if self.arrivals_left > 0:

@@ -173,6 +173,10 @@ class State:
         # blocks[instance][key][loc] = stamped specs; one Specs (and one Loc) object is shared by
         # every block stored with it (report._Stamper, report.intern_loc).
         self.blocks: dict[str, KeyMap[dict[Loc, Specs]]] = {}
+        # (instance, storage_type, host) -> keys with a location of that reporter (a superset:
+        # deletes may leave keys behind; gc_reporter prunes). A snapshot commit or a tombstone
+        # then walks the reporter's keys, not every block of the instance.
+        self.owned: dict[tuple[str, str, str], set[int]] = {}
         self.reporters: dict[tuple[str, str, str], Reporter] = {}
         self.dirty = False
         if state_file is not None and state_file.exists():
@@ -214,6 +218,8 @@ class State:
                 d[int(k)] = {
                     intern_loc(st, med, host): tuple(specs.items()) for st, med, host, specs in locs
                 }
+                for st, _, host, _ in locs:
+                    self.owned.setdefault((inst, st, host), set()).add(int(k))
 
     # ---- admin -------------------------------------------------------------------------
     def add_storage(self, req: dict[str, Any], *, update: bool = False) -> None:
@@ -354,23 +360,34 @@ class State:
         """Drop the reporter's metadata (all of it, or every spec not stamped keep_version)."""
         keys = self.blocks.get(r.instance_id) or KeyMap()
         suffix = f"s_version={keep_version}"
-        for k in list(keys):
-            locs = keys[k]
+        shards, route, mask = keys.shards, KeyMap.ROUTE, KeyMap.MASK
+        # Blocks share their Specs objects, so filter each distinct one once (the memo holds
+        # it, so its id cannot be reused meanwhile).
+        memo: dict[int, tuple[Specs, Specs]] = {}
+        kept: set[int] = set()
+        for k in self.owned.pop(r.key, set()):
+            locs = shards[route[k & mask]].get(k)
+            if locs is None:
+                continue
             for loc in [
                 loc for loc in locs if loc[0] == r.storage_type and loc[2] == r.host_ip_port
             ]:
                 if keep_version is not None:
-                    # stamp() puts s_version last, and publishers' URIs never carry one.
                     old = locs[loc]
-                    specs = tuple((n, u) for n, u in old if u.endswith(suffix))
-                    if len(specs) == len(old):
-                        continue
-                    if specs:
-                        locs[loc] = specs
+                    hit = memo.get(id(old))
+                    if hit is None:
+                        # stamp() puts s_version last, and publishers' URIs never carry one.
+                        new = tuple((n, u) for n, u in old if u.endswith(suffix))
+                        hit = memo[id(old)] = (old, old if len(new) == len(old) else new)
+                    if hit[1]:
+                        locs[loc] = hit[1]
+                        kept.add(k)
                         continue
                 del locs[loc]
             if not locs:
                 del keys[k]
+        if kept:
+            self.owned[r.key] = kept
 
     def visible(self, storage_type: str, host: str, iid: str, specs: Specs) -> bool:
         r = self.reporters.get((iid, storage_type, host))

@@ -390,6 +390,14 @@ async def test_snapshot_commit_hides_omitted_blocks_at_once(api: Api) -> None:
     assert await api.visible() == [2, 4]
 
 
+async def test_snapshot_leaves_other_reporters_blocks_of_the_instance_alone(api: Api) -> None:
+    await api.report(add(1), add(2), host="10.0.0.2:8000")
+    await api.report(add(2), add(3))
+    await api.report(snap(4))  # HOST's snapshot: its 2 and 3 go, the other host's stay
+    assert await api.visible() == [4]
+    assert await api.visible("10.0.0.2:8000") == [1, 2]
+
+
 async def test_snapshot_later_deltas_visible_with_committed_version(api: Api) -> None:
     v = (await api.report(snap(1)))["committed_snapshot_version"]
     await api.report(add(5))
@@ -575,7 +583,17 @@ async def test_restart_with_state_file_restores_blocks_after_first_event(
         new = (await api2.report(snap(1)))["committed_snapshot_version"]
         assert HEX32.fullmatch(new) and new != old
         assert await api2.visible() == [1]
+        assert await _stored_versions(api2) == [new]  # block 2 (restored, omitted) is gone
         await runner2.cleanup()
+
+
+async def _stored_versions(api: Api, host: str = HOST) -> list[str]:
+    async with api.session.get(f"{api.base}/debug/reporters") as resp:
+        data = await resp.json()
+    out: list[str] = next(
+        r["stored_versions"] for r in data["reporters"] if r["host_ip_port"] == host
+    )
+    return out
 
 
 # ---- hostile input ---------------------------------------------------------------------------
