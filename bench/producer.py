@@ -2,7 +2,8 @@
 
 raw   RingWriter: `rate` events/s in batches of `batch` for `seconds`; prints accepted/dropped
 hook  engine_hook: `rate` stored(one new key)/s for `seconds`, flush per 1 ms step; prints
-      sampled (key, monotonic ns) pairs; then stays attached until stdin closes
+      sampled (key, monotonic ns) pairs; then stays attached until stdin closes. With `burst`
+      and `pause_s`: bursts of `burst` keys separated by `pause_s` of quiet instead
 fill  engine_hook: store `keys` keys at once, print done, stay attached until stdin closes
 """
 
@@ -70,9 +71,19 @@ def hook(a: dict[str, Any]) -> None:
     n = int(rate * a["seconds"])
     samples: list[tuple[str, int]] = []
     key = 1
+    # Bursty mode: `burst` keys in one engine step, then `pause_s` of quiet; the sample is each
+    # burst's first key (what an idle sidecar used to delay by up to its poll interval).
+    burst, pause = a.get("burst", 0), a.get("pause_s", 0.0)
     t0 = time.perf_counter()
     while key < n:
         now = time.monotonic_ns()
+        if burst:
+            samples.append((str(key), now))
+            h.stored(np.arange(key, key + burst, dtype=np.int64))
+            key += burst
+            h.flush()
+            time.sleep(pause)
+            continue
         for _ in range(per_step):
             h.stored(key)
             if key % 97 == 0:

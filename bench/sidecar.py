@@ -5,7 +5,8 @@ reporting  key changes/s from the ring to bytes on the wire (ring read, key stat
            encode, HTTP) against a null HTTP server and against the KVCM-compatible server
 latency    engine stored() -> first arrival at the manager, p50/p99 at 10k and 100k events/s,
            through the real daemon (`kvcm-sidecar run`): to a recording null manager (what the
-           sidecar adds) and to the KVCM-compatible server (end to end, all on this machine)
+           sidecar adds) and to the KVCM-compatible server (end to end, all on this machine);
+           and for bursts after quiet spells (the first key of each burst)
 snapshot   building and sending one 1,000,000-key snapshot (null server)
 resources  the daemon's idle CPU over --idle-seconds, and RSS empty and with 1 M keys
 
@@ -250,7 +251,9 @@ async def _arrivals(base: str, host: str) -> dict[str, list[float]]:
         return out
 
 
-def latency(base: str, rate: float, seconds: float, label: str = "") -> dict[str, float]:
+def latency(
+    base: str, rate: float, seconds: float, label: str = "", **shape: float
+) -> dict[str, float]:
     ring = f"/kvcm-bench-lat-{os.getpid()}-{int(rate)}"
     unlink(ring)
     inst = f"bench-lat-{int(rate)}"
@@ -260,7 +263,7 @@ def latency(base: str, rate: float, seconds: float, label: str = "") -> dict[str
         "-m",
         "bench.producer",
         "hook",
-        json.dumps({"ring": ring, "instance_id": inst, "rate": rate, "seconds": seconds}),
+        json.dumps({"ring": ring, "instance_id": inst, "rate": rate, "seconds": seconds, **shape}),
     )
     prod.line()
     side = _sidecar(base, ring, inst, int(host.rsplit(":", 1)[1]))
@@ -278,7 +281,7 @@ def latency(base: str, rate: float, seconds: float, label: str = "") -> dict[str
     side.p.wait(timeout=20)
     prod.stop()
     unlink(ring)
-    tag = f"{label}{int(rate / 1000)}k"
+    tag = f"{label}{int(rate / 1000)}k" if not shape else label.rstrip("_")
     return {
         f"latency_{tag}_p50_ms": float(np.percentile(lat, 50)),
         f"latency_{tag}_p99_ms": float(np.percentile(lat, 99)),
@@ -389,6 +392,9 @@ def main() -> None:
     try:
         res.update(latency(null, 10_000, 2 if q else 5, "null_"))
         res.update(latency(null, 100_000, 2 if q else 5, "null_"))
+        # Bursts of 64 keys every 200 ms: the sidecar goes idle between them, and the doorbell
+        # (not the 50 ms idle poll) should decide when it sees each burst.
+        res.update(latency(null, 320, 3 if q else 10, "null_bursty_", burst=64, pause_s=0.2))
     finally:
         nullc.stop()
     kvcm, base = _kvcm_server(("--snapshot-min-interval-ms", "0"))

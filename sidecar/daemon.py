@@ -29,6 +29,7 @@ from sidecar.metrics.registry import Metrics
 from sidecar.metrics.server import build_app
 from sidecar.publisher import Publisher, State
 from sidecar.shm_ring import layout as L
+from sidecar.shm_ring.doorbell import Listener
 from sidecar.shm_ring.reader import ReaderConflict, RingReader
 from sidecar.shm_ring.segment import Segment
 
@@ -179,10 +180,34 @@ class Daemon:
         # incarnation that has not written yet) runs at least every engine watch interval.
         # The poll period doubles while the ring stays empty, up to idle_poll_interval_s, and
         # drops back to poll_interval_s on the first record: each wake-up of the event loop
-        # costs far more than the poll itself, so an idle sidecar must not spin.
+        # costs far more than the poll itself, so an idle sidecar must not spin; instead it
+        # sleeps on the engine's doorbell (shm_ring/doorbell.py), so a quiet spell does not
+        # delay the next records by a poll interval.
         busy = self.cfg.ring.poll_interval_s
         idle = max(self.cfg.ring.idle_poll_interval_s, busy)
         full_every = self.cfg.engine.watch_interval_s
+        reader = sync.reader
+        wake = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def rung() -> None:  # on the doorbell's thread
+            loop.call_soon_threadsafe(wake.set)
+
+        bell = Listener(reader.seg.name, reader.seg.hdr, rung)
+        try:
+            await self._drain(sync, bell, wake, busy, idle, full_every)
+        finally:
+            bell.close()
+
+    async def _drain(
+        self,
+        sync: EngineSync,
+        bell: Listener,
+        wake: asyncio.Event,
+        busy: float,
+        idle: float,
+        full_every: float,
+    ) -> None:
         last_full = 0.0
         delay = busy
         last_poll = self.clock()
@@ -201,7 +226,19 @@ class Daemon:
             if r.records or r.resynced:
                 self.work.set()
             delay = busy if r.records else min(delay * 2, idle)
-            await self.sleep(delay)
+            if delay <= busy:
+                await self.sleep(delay)
+                continue
+            # Idle: sleep until the engine rings the doorbell or the poll interval passes.
+            wake.clear()
+            bell.asleep(True)
+            try:
+                if sync.reader.idle():  # re-check once the flag is visible
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(delay):
+                            await wake.wait()
+            finally:
+                bell.asleep(False)
 
     async def _report_loop(self, p: Publisher) -> None:
         window = self.cfg.report.flush_window_s

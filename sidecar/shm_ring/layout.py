@@ -43,6 +43,7 @@ W_READER_PID: Final = 17
 W_READER_INCARNATION: Final = 18
 W_READER_LIVENESS_NS: Final = 19
 W_SNAP_REQ: Final = 20
+W_READER_IDLE: Final = 21  # 1 while the reader sleeps on the doorbell (shm_ring/doorbell.py)
 # Line 3: producer incarnation, seqlock-protected by W_INC_GEN (odd while being written).
 W_INC_GEN: Final = 24
 W_BOOT_ID: Final = 25
@@ -124,6 +125,11 @@ def reader_lock_path(ring_name: str) -> str:
 
 def snapshot_segment_name(ring_name: str) -> str:
     return f"{ring_name}.snap"
+
+
+def doorbell_name(ring_name: str) -> str:
+    """The POSIX semaphore an idle reader sleeps on (shm_ring/doorbell.py)."""
+    return f"{ring_name}.bell"
 
 
 class LayoutError(Exception):

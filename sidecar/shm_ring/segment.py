@@ -153,10 +153,12 @@ class Segment:
 
 
 def unlink(name: str) -> None:
-    """Remove a ring segment and its snapshot segment; for tests and `kvcm-sidecar` cleanup."""
+    """Remove a ring segment, its snapshot segment and its doorbell; for tests and cleanup."""
     for n in (name, L.snapshot_segment_name(name)):
         with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory(n)
+    with contextlib.suppress(posix_ipc.ExistentialError):
+        posix_ipc.unlink_semaphore(L.doorbell_name(name))
     with contextlib.suppress(FileNotFoundError):
         os.unlink(L.reader_lock_path(name))
 

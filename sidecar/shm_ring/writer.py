@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from sidecar.shm_ring import layout as L
+from sidecar.shm_ring.doorbell import Bell
 from sidecar.shm_ring.segment import Segment, pid_alive, pid_namespace
 
 _U64 = (1 << 64) - 1
@@ -37,6 +38,7 @@ class RingWriter:
         ):
             raise ProducerConflict(f"ring {segment.name} already has a live producer pid={other}")
         self.capacity = segment.capacity
+        self._bell = Bell(segment.name)  # wakes a reader that sleeps on it
         self._mask = self.capacity - 1
         self._slots = segment.slots
         self._words = segment.slot_words
@@ -114,6 +116,8 @@ class RingWriter:
         h[L.W_ATTEMPTED] = self._attempted
         h[L.W_LAST_SEQ] = self._seq
         h[L.W_TAIL] = self._tail  # the publishing store
+        if m:
+            self._bell.ring_if_idle(h)
         return m
 
     def write_pairs(self, pairs: list[tuple[int, int]]) -> int:
@@ -146,6 +150,8 @@ class RingWriter:
         h[L.W_ATTEMPTED] = self._attempted
         h[L.W_LAST_SEQ] = seq
         h[L.W_TAIL] = tail
+        if m:
+            self._bell.ring_if_idle(h)
         return m
 
     def stamp(self) -> None:
