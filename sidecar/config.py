@@ -55,7 +55,7 @@ class RingConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
     name: str = ""  # default: derived from instance_id and dp_rank, as the engine does
     capacity_slots: Annotated[int, Meta(ge=0)] = 0  # 0: accept the segment's / default
     poll_interval_s: PosFloat = 0.002
-    idle_poll_interval_s: PosFloat = 0.05  # the poll period backs off to this when idle (the
+    idle_poll_interval_s: PosFloat = 0.1  # the poll period backs off to this when idle (the
     # engine's doorbell wakes the sidecar sooner: shm_ring/doorbell.py)
     engine_snapshot_timeout_s: PosFloat = 30.0
 

@@ -47,7 +47,7 @@ class Bell:
 class Listener:
     """Reader side: a thread that calls `on_ring` whenever the producer rings."""
 
-    POLL_S = 1.0  # how often the thread checks for close()
+    POLL_S = 30.0  # a safety net only: close() posts the semaphore to stop the thread
 
     def __init__(self, ring_name: str, hdr: memoryview, on_ring: Callable[[], None]) -> None:
         self.hdr = hdr
@@ -86,7 +86,7 @@ class Listener:
         self._closed.set()
         with contextlib.suppress(posix_ipc.Error):
             self.sem.release()  # wake the thread now rather than at its next timeout
-        self._thread.join(self.POLL_S * 2)
+        self._thread.join(5.0)
         if not self._thread.is_alive():
             with contextlib.suppress(posix_ipc.Error):
                 self.sem.close()
