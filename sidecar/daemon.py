@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import posix_ipc
 from aiohttp import web
 
 from sidecar.config import Config, parse_addr
@@ -193,16 +194,21 @@ class Daemon:
         def rung() -> None:  # on the doorbell's thread
             loop.call_soon_threadsafe(wake.set)
 
-        bell = Listener(reader.seg.name, reader.seg.hdr, rung)
+        try:
+            bell: Listener | None = Listener(reader.seg.name, reader.seg.hdr, rung)
+        except (posix_ipc.Error, OSError) as exc:  # an optimisation only: poll instead
+            log.warning("doorbell unavailable, polling the ring instead: %r", exc)
+            bell = None
         try:
             await self._drain(sync, bell, wake, busy, idle, full_every)
         finally:
-            bell.close()
+            if bell is not None:
+                bell.close()
 
     async def _drain(
         self,
         sync: EngineSync,
-        bell: Listener,
+        bell: Listener | None,
         wake: asyncio.Event,
         busy: float,
         idle: float,
@@ -226,7 +232,7 @@ class Daemon:
             if r.records or r.resynced:
                 self.work.set()
             delay = busy if r.records else min(delay * 2, idle)
-            if delay <= busy:
+            if delay <= busy or bell is None:
                 await self.sleep(delay)
                 continue
             # Idle: sleep until the engine rings the doorbell or the poll interval passes.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,26 @@ async def test_daemon_steady_state_converges(h: Harness) -> None:
     assert len(h.published) > 50
     status = await h.status()
     assert status["state"] == "READY" and status["published"] == len(h.published)
+
+
+def _block_doorbell(ring: str) -> Path:
+    blocker = Path("/dev/shm/sem." + ring.lstrip("/") + ".bell")
+    blocker.mkdir()  # sem_open cannot create or open a semaphore there
+    return blocker
+
+
+async def test_daemon_without_a_doorbell_polls_and_converges(h: Harness) -> None:
+    """A doorbell that cannot be opened is only an optimisation lost: the sidecar polls."""
+    blocker = _block_doorbell(h.ring)
+    try:
+        h.start_engine()
+        side = h.start_sidecar()
+        h.engine_cmd(op="work", n=300)
+        await h.converge()
+        assert len(h.published) > 50
+        assert "doorbell unavailable" in "".join(side.log)  # the path this test is about
+    finally:
+        os.rmdir(blocker)
 
 
 def _metric(text: str, name: str, label: str = "") -> float:
