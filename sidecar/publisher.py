@@ -137,15 +137,13 @@ class Publisher:
             "state": self.state.name,
         }
 
+    def _reporter(self, op: str) -> tuple[str, str, str, str]:
+        """(trace_id, instance_id, host_ip_port, storage_type): every reportEvent starts so."""
+        i = self.cfg.identity
+        return self.trace_id(op), i.instance_id, self.host_ip_port, i.storage_type
+
     def _envelope(self, op: str, events: list[W.Event]) -> bytes:
-        req = W.ReportEventRequest(
-            self.trace_id(op),
-            self.cfg.identity.instance_id,
-            self.host_ip_port,
-            self.cfg.identity.storage_type,
-            events,
-        )
-        return W.encode(req)
+        return W.encode(W.ReportEventRequest(*self._reporter(op), events))
 
     async def _send(
         self, route: str, op: str, payload: bytes | memoryview, timeout_s: float
@@ -345,16 +343,7 @@ class Publisher:
         assert d is not None
         self.set_state(State.RESYNCING, "sending the authoritative snapshot")
         keys = self.keys.published_keys()
-        i = self.cfg.identity
-        payload = W.encode_snapshot(
-            self.trace_id("snapshot"),
-            i.instance_id,
-            self.host_ip_port,
-            i.storage_type,
-            keys,
-            d.medium,
-            self._spec(),
-        )
+        payload = W.encode_snapshot(*self._reporter("snapshot"), keys, d.medium, self._spec())
         self.counters["snapshot_keys"] += len(keys)
         self.counters["snapshot_bytes"] += len(payload)
         result = await self._send(
@@ -387,12 +376,8 @@ class Publisher:
         batch = self.keys.take_batch(self.cfg.report.batch_max_keys)
         if not len(batch):
             return
-        i = self.cfg.identity
         payload = W.encode_deltas(
-            self.trace_id("delta"),
-            i.instance_id,
-            self.host_ip_port,
-            i.storage_type,
+            *self._reporter("delta"),
             batch.adds,  # adds first, then deletes: item_results indexes map back to batch
             batch.deletes,
             d.medium,

@@ -29,7 +29,6 @@ class Bell:
     def __init__(self, ring_name: str) -> None:
         self.name = L.doorbell_name(ring_name)
         self._sem: posix_ipc.Semaphore | None = None
-        self.rings = 0
 
     def ring_if_idle(self, hdr: memoryview) -> None:
         if not hdr[L.W_READER_IDLE]:
@@ -39,7 +38,6 @@ class Bell:
                 self._sem = posix_ipc.Semaphore(self.name)  # created by the reader
             if self._sem.value == 0:
                 self._sem.release()
-                self.rings += 1
         except (posix_ipc.Error, OSError, ValueError):
             self._sem = None  # no bell (an older sidecar): it polls, as before
 

@@ -19,10 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 async def test_daemon_steady_state_converges(h: Harness) -> None:
-    h.start_engine()
-    h.start_sidecar()
-    h.engine_cmd(op="work", n=300)
-    await h.converge()
+    await h.start_converged(300)
     h.engine_cmd(op="work", n=300)
     await h.converge()
     assert len(h.published) > 50
@@ -90,10 +87,7 @@ async def test_daemon_sidecar_sigkill_and_restart_converges(h: Harness) -> None:
 async def test_daemon_engine_sigkill_hides_keys_then_new_engine_converges(h: Harness) -> None:
     import time
 
-    h.start_engine()
-    h.start_sidecar()
-    h.engine_cmd(op="work", n=200)
-    await h.converge()
+    await h.start_converged(200)
     assert h.engine is not None
     h.engine.kill()
     t0 = time.monotonic()
@@ -106,10 +100,7 @@ async def test_daemon_engine_sigkill_hides_keys_then_new_engine_converges(h: Har
 
 
 async def test_daemon_kvcm_503_for_a_while_converges(h: Harness) -> None:
-    h.start_engine()
-    h.start_sidecar()
-    h.engine_cmd(op="work", n=100)
-    await h.converge()
+    await h.start_converged(100)
     await h.faults(routes={"reportEvent": {"status": 503, "count": 15}})
     h.engine_cmd(op="work", n=200)
     await h.converge()
@@ -118,20 +109,14 @@ async def test_daemon_kvcm_503_for_a_while_converges(h: Harness) -> None:
 
 
 async def test_daemon_request_timeouts_converge(h: Harness) -> None:
-    h.start_engine()
-    h.start_sidecar()
-    h.engine_cmd(op="work", n=100)
-    await h.converge()
+    await h.start_converged(100)
     await h.faults(routes={"reportEvent": {"delay_ms": 800, "count": 4}})
     h.engine_cmd(op="work", n=200)
     await h.converge()
 
 
 async def test_daemon_kvcm_restart_converges(h: Harness) -> None:
-    h.start_engine()
-    h.start_sidecar()
-    h.engine_cmd(op="work", n=200)
-    await h.converge()
+    await h.start_converged(200)
     await h.restart_server()  # reporter state lost, blocks persisted
     h.engine_cmd(op="work", n=200)
     await h.converge()
@@ -140,10 +125,7 @@ async def test_daemon_kvcm_restart_converges(h: Harness) -> None:
 
 
 async def test_daemon_partial_item_failures_retry_only_failed(h: Harness) -> None:
-    h.start_engine()
-    h.start_sidecar()
-    h.engine_cmd(op="work", n=50)
-    await h.converge()
+    await h.start_converged(50)
     await h.faults(fail_items=25)
     h.engine_cmd(op="work", n=200)
     await h.converge()
@@ -169,10 +151,7 @@ async def test_daemon_snapshot_rate_limited_still_converges(tmp_path: Path) -> N
 
 
 async def test_daemon_heartbeats_keep_cadence_while_snapshot_stalls(h: Harness) -> None:
-    h.start_engine()
-    h.start_sidecar()
-    h.engine_cmd(op="work", n=50)
-    await h.converge()
+    await h.start_converged(50)
     await h.faults(commit_delay_ms=5000)
     await h.restart_server()  # forces a new snapshot, which now stalls 5 s
     await h.faults(commit_delay_ms=5000)
@@ -271,10 +250,7 @@ async def test_daemon_refuses_corrupt_ring_engine_unaffected(h: Harness) -> None
     ids=["malformed", "deep", "oversized"],
 )
 async def test_daemon_kvcm_bad_bodies_retry_and_converge(h: Harness, body: str) -> None:
-    h.start_engine()
-    h.start_sidecar()
-    h.engine_cmd(op="work", n=50)
-    await h.converge()
+    await h.start_converged(50)
     await h.faults(routes={"reportEvent": {"body": body, "count": 4}})
     h.engine_cmd(op="work", n=100)
     await h.converge()
@@ -293,10 +269,7 @@ async def test_daemon_kvcm_unreachable_at_start_then_converges(h: Harness) -> No
 
 
 async def test_daemon_engine_restart_while_kvcm_down_converges(h: Harness) -> None:
-    h.start_engine()
-    h.start_sidecar()
-    h.engine_cmd(op="work", n=100)
-    await h.converge()
+    await h.start_converged(100)
     await h.stop_server()
     assert h.engine is not None
     h.engine.kill()

@@ -24,10 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 async def test_metrics_every_documented_metric_exported_with_its_type(h: Harness) -> None:
-    h.start_engine()
-    h.start_sidecar()
-    h.engine_cmd(op="work", n=50)
-    await h.converge()
+    await h.start_converged(50)
     families = {f.name: f.type for f in text_string_to_metric_families(await h.metrics())}
     for name, (kind, _help) in METRICS.items():
         assert families.get(name) == kind, (name, families.get(name))
@@ -102,10 +99,7 @@ def _shape(text: str) -> list[str]:
 
 
 async def test_status_command_output_matches_docs_example(h: Harness) -> None:
-    h.start_engine()
-    h.start_sidecar()
-    h.engine_cmd(op="work", n=50)
-    await h.converge()
+    await h.start_converged(50)
     await h.reporter_until(lambda r: r["liveness"] == "live")
     out = _status(h)
     assert out.returncode == 0, out.stdout + out.stderr
