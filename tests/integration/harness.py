@@ -222,12 +222,13 @@ class Harness:
             return data
 
     # ---- the oracle -------------------------------------------------------------------------
-    async def start_converged(self, work: int) -> None:
+    async def start_converged(self, work: int) -> SidecarProc:
         """Engine and sidecar up, `work` engine requests served, KVCM caught up."""
         self.start_engine()
-        self.start_sidecar()
+        side = self.start_sidecar()
         self.engine_cmd(op="work", n=work)
         await self.converge()
+        return side
 
     async def converge(self, within_s: float = 20.0) -> None:
         """Wait (bounded) until KVCM shows exactly the engine's published set."""

@@ -74,10 +74,7 @@ async def test_daemon_ring_overflow_resyncs_and_converges(tmp_path: Path) -> Non
 
 
 async def test_daemon_sidecar_sigkill_and_restart_converges(h: Harness) -> None:
-    h.start_engine()
-    side = h.start_sidecar()
-    h.engine_cmd(op="work", n=200)
-    await h.converge()
+    side = await h.start_converged(200)
     side.kill()
     h.engine_cmd(op="work", n=300)  # changes while no sidecar runs, incl. evictions
     h.start_sidecar()
@@ -175,10 +172,7 @@ async def test_daemon_heartbeats_keep_cadence_while_snapshot_stalls(h: Harness) 
 async def test_daemon_sigterm_sends_host_down_and_exits_0(h: Harness) -> None:
     import time
 
-    h.start_engine()
-    side = h.start_sidecar()
-    h.engine_cmd(op="work", n=100)
-    await h.converge()
+    side = await h.start_converged(100)
     t0 = time.monotonic()
     side.terminate()
     assert side.p.wait(timeout=10) == 0
@@ -188,10 +182,7 @@ async def test_daemon_sigterm_sends_host_down_and_exits_0(h: Harness) -> None:
 
 
 async def test_daemon_sigterm_right_after_failed_request_still_host_down(h: Harness) -> None:
-    h.start_engine()
-    side = h.start_sidecar()
-    h.engine_cmd(op="work", n=50)
-    await h.converge()
+    side = await h.start_converged(50)
     await h.faults(fail_items=10_000)  # every delta item fails; heartbeats and HOST_DOWN pass
     h.engine_cmd(op="work", n=100)
     side.wait_line("delta failed")
@@ -280,10 +271,7 @@ async def test_daemon_engine_restart_while_kvcm_down_converges(h: Harness) -> No
 
 
 async def test_daemon_sigterm_during_snapshot_exits_0_and_hides_keys(h: Harness) -> None:
-    h.start_engine()
-    side = h.start_sidecar()
-    h.engine_cmd(op="work", n=100)
-    await h.converge()
+    side = await h.start_converged(100)
     await h.restart_server()  # the reporter is new to KVCM: the sidecar resnapshots ...
     await h.faults(commit_delay_ms=3000)  # ... and that snapshot now stalls
     async with asyncio.timeout(10):

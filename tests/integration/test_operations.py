@@ -122,10 +122,7 @@ async def test_status_command_output_matches_docs_example(h: Harness) -> None:
 
 
 async def test_status_command_when_daemon_down_reads_ring(h: Harness) -> None:
-    h.start_engine()
-    side = h.start_sidecar()
-    h.engine_cmd(op="work", n=20)
-    await h.converge()
+    side = await h.start_converged(20)
     side.kill()
     out = _status(h)
     assert out.returncode == 1

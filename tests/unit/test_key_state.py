@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from sidecar.key_state import KeyState
 from sidecar.shm_ring import layout as L
+from tests.oracle import fold
 
 OPS = st.lists(
     st.tuples(
@@ -24,22 +25,6 @@ def records(ops: list[tuple[int, int, int]], start_seq: int = 1) -> np.ndarray:
     for i, (kind, group, key) in enumerate(ops):
         out[i] = (start_seq + i, np.int64(key).view(np.uint64), L.pack_meta(kind, group), 0)
     return out
-
-
-def fold(ops: list[tuple[int, int, int]]) -> dict[int, int]:
-    state: dict[int, int] = {}
-    for kind, group, key in ops:
-        if kind == L.KIND_CLEARED:
-            state.clear()
-        elif kind == L.KIND_STORED:
-            state[key] = state.get(key, 0) | 1 << group
-        else:
-            v = state.get(key, 0) & ~(1 << group)
-            if v:
-                state[key] = v
-            else:
-                state.pop(key, None)
-    return state
 
 
 @settings(max_examples=300)

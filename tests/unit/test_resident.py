@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from engine_hook import resident
 from engine_hook.resident import ResidentSet
 from sidecar.shm_ring import layout as L
+from tests.oracle import fold
 
 OPS = st.lists(
     st.tuples(
@@ -18,22 +19,6 @@ OPS = st.lists(
     ),
     max_size=300,
 )
-
-
-def model(ops: list[tuple[int, int, int]]) -> dict[int, int]:
-    d: dict[int, int] = {}
-    for kind, g, k in ops:
-        if kind == L.KIND_CLEARED:
-            d.clear()
-        elif kind == L.KIND_STORED:
-            d[k] = d.get(k, 0) | 1 << g
-        else:
-            v = d.get(k, 0) & ~(1 << g)
-            if v:
-                d[k] = v
-            else:
-                d.pop(k, None)
-    return d
 
 
 @settings(max_examples=300, deadline=None)
@@ -57,8 +42,8 @@ def test_resident_set_equals_fold_of_all_ops(
             keys = np.array([k for _, _, k in part], np.int64)
             metas = np.array([L.pack_meta(kind, g) for kind, g, _ in part], np.uint64)
             rs.apply(keys, metas)
-        assert rs.as_dict() == model(ops)
-        assert len(rs) == len(model(ops))  # as_dict() folded everything queued
+        assert rs.as_dict() == fold(ops)
+        assert len(rs) == len(fold(ops))  # as_dict() folded everything queued
     finally:
         resident.FOLD_AT, key_table.REBUILD_STEP = old
 
