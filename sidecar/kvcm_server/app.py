@@ -396,14 +396,8 @@ class KvcmServer:
 
     async def debug_arrivals(self, request: web.Request) -> web.Response:
         """Arrival times (server monotonic clock, up to 16) of each key, per reporter host."""
-        host = request.query.get("host", "")
-        out = {
-            str(k): [first, *r.rearrivals.get(k, ())]
-            for r in self.state.reporters.values()
-            if r.host_ip_port == host
-            for k, first in r.arrivals.items()
-        }
-        return web.Response(body=P.encode(out), content_type="application/json")
+        times = self.state.arrival_times(request.query.get("host", ""))
+        return web.Response(body=P.encode(times), content_type="application/json")
 
     async def debug_faults(self, request: web.Request) -> web.Response:
         body = msgspec.json.decode(await request.read())  # route names stay as written

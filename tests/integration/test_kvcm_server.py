@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from engine_hook.rolling_hash import block_keys
 from sidecar.kvcm_server import proto as P
+from sidecar.kvcm_server import report as R
 from sidecar.kvcm_server.app import KvcmServer
 
 IID = "inst"
@@ -734,7 +735,33 @@ def _event(draw: st.DrawFn) -> dict[str, Any]:
     return {"event_type": "EVENT_BLOCK_DELETE" if kind == "delete" else 3, "block_delete": body}
 
 
+def _publisher_request(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """A publisher's shape: ADDs sharing one medium and spec list, then DELETEs (sometimes with
+    an odd item in the ADD run, which must not change any answer)."""
+    medium, uri = draw(MEDIUM), draw(URI)
+    specs = [{"name": "full", "uri": uri}]
+    adds = [
+        {
+            "event_type": "EVENT_BLOCK_ADD",
+            "block_add": {"block_key": k, "medium": medium, "specs": specs},
+        }
+        for k in draw(st.lists(KEY_TEXT, min_size=1, max_size=6))
+    ]
+    if draw(st.booleans()):
+        adds.insert(draw(st.integers(0, len(adds))), draw(st.composite(_event)()))
+    deletes = [
+        {
+            "event_type": "EVENT_BLOCK_DELETE",
+            "block_delete": {"block_key": k, "medium": medium, "spec_names": ["full"]},
+        }
+        for k in draw(st.lists(KEY_TEXT, max_size=3))
+    ]
+    return adds + deletes
+
+
 def _typed_request(draw: st.DrawFn) -> list[dict[str, Any]]:
+    if draw(st.booleans()):
+        return draw(st.composite(_publisher_request)())
     if draw(st.integers(0, 4)) == 0:
         keys = draw(st.lists(KEY_TEXT, max_size=4))
         blocks = [
@@ -778,6 +805,7 @@ async def test_report_typed_fast_path_answers_exactly_as_the_dict_path(
             await ra.cleanup()
             await rb.cleanup()
     assert _state_view(fast) == _state_view(slow)
+    assert fast.state.arrival_times(HOST) == slow.state.arrival_times(HOST)
 
 
 async def _compare_paths(a: Api, b: Api, data: st.DataObject) -> None:
@@ -804,3 +832,30 @@ async def _compare_paths(a: Api, b: Api, data: st.DataObject) -> None:
         assert resp_a == resp_b
     assert await a.visible() == await b.visible()
     assert typed_seen  # the property is about the typed path: it must have been taken
+
+
+async def test_a_publisher_batch_of_adds_is_applied_as_one_run(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The usual body (ADDs sharing medium and specs, then DELETEs) takes the one-run path and
+    records each key's arrival; an odd item in the run sends it item by item with the same
+    outcome (the property test above compares every answer with the dict path)."""
+    calls: list[list[int]] = []
+    add_keys = R._Puts.add_keys
+
+    def spy(self: R._Puts, keys: Any, *rest: Any) -> None:
+        calls.append(list(keys))
+        add_keys(self, keys, *rest)
+
+    monkeypatch.setattr(R._Puts, "add_keys", spy)
+    assert code(await api("registerInstance", REG)) == "OK"
+    assert code(await api.report(add(1), add("0002"), add(18446744073709551615), delete(1))) == "OK"
+    assert calls == [[1, 2, -1]]
+    assert await api.visible() == [-1, 2]
+    calls.clear()
+    resp = await api.report(add(3), add("x"), add(4))
+    assert resp["item_results"] == ["OK", "INVALID_ARGUMENT", "OK"]
+    assert calls == [[3], [4]]
+    assert await api.visible() == [-1, 2, 3, 4]
+    times = api.server.state.arrival_times(HOST)
+    assert set(times) == {-1, 1, 2, 3, 4} and all(len(t) == 1 for t in times.values())
