@@ -248,15 +248,13 @@ class Daemon:
 
     async def _report_loop(self, p: Publisher) -> None:
         window = self.cfg.report.flush_window_s
+        send_at = min(self.cfg.report.flush_at_keys, self.cfg.report.batch_max_keys)
         while True:
-            while (
-                window
-                and p.state == State.READY
-                and 0 < len(p.keys.dirty) < self.cfg.report.batch_max_keys
-            ):
-                # The flush window: let a batch fill up, but send once it is full, and let no
-                # change wait longer than the window from when it became dirty (not from when
-                # the last request ended). Every drained ring read sets `work`.
+            while window and p.state == State.READY and 0 < len(p.keys.dirty) < send_at:
+                # The flush window: let a batch fill up, but send once flush_at_keys are
+                # waiting, and let no change wait longer than the window from when it became
+                # dirty (not from when the last request ended). Every drained ring read sets
+                # `work`.
                 wait = p.keys.dirty_since + window - self.clock()
                 if wait <= 0:
                     break

@@ -26,6 +26,7 @@ def test_config_defaults_are_the_seed_values() -> None:
     assert cfg.report.backoff_cap_s == 30.0
     assert cfg.report.periodic_snapshot_s == 300.0
     assert cfg.report.batch_max_keys == 4096
+    assert cfg.report.flush_at_keys == 1000  # rtp-llm's batch
     assert cfg.report.flush_window_s == 0.02
 
 
