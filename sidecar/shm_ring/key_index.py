@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+SMALL = 1 << 20  # slots
 
 
 def fit(column: np.ndarray, size: int) -> np.ndarray:
@@ -23,9 +24,11 @@ def fit(column: np.ndarray, size: int) -> np.ndarray:
 
 
 def sized_for(count: int, minimum: int) -> int:
-    """Index capacity (a power of two) for `count` keys at most half full."""
+    """Index capacity (a power of two) for `count` keys at most half full; below SMALL slots
+    at most a quarter full, so a table growing from empty is rebuilt half as often (each
+    rebuild re-inserts every live key) for at most SMALL * 16 bytes more memory."""
     cap = minimum
-    while cap < count * 2:
+    while cap < count * (4 if cap < SMALL else 2):
         cap *= 2
     return cap
 
