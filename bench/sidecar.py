@@ -10,6 +10,14 @@ latency    engine stored() -> first arrival at the manager, p50/p99 at 10k and 1
 snapshot   building and sending one 1,000,000-key snapshot (null server)
 resources  the daemon's idle CPU over --idle-seconds, and RSS empty and with 1 M keys
 
+Baselines in the same run, printed as ratio_* (how many times the baseline's time):
+  ingest     the same records folded into a Python dict record by record (and the key state
+             without the producer's rate cap)
+  reporting  the wire ceiling: one pre-encoded body posted back to back (no ring, key state or
+             encoding); and delta encoding with msgspec Structs per key
+  snapshot   the same 1 M keys encoded as msgspec Structs
+  idle       a process with the daemon's imports whose loop only wakes every idle poll interval
+
   python -m bench.sidecar [--idle-seconds 60] [--quick]
 """
 
@@ -116,6 +124,46 @@ def ingest(rate: float, seconds: float) -> dict[str, float]:
     }
 
 
+def _records(n: int, seed: int = 3) -> np.ndarray:
+    """Ring-shaped records: n stores of keys drawn from 3n/4 distinct ones (some repeat)."""
+    from sidecar.shm_ring import layout as L
+
+    rng = np.random.default_rng(seed)
+    recs = np.zeros((n, 4), np.uint64)
+    recs[:, 0] = np.arange(n, dtype=np.uint64)
+    recs[:, 1] = rng.integers(1, 2**62, n * 3 // 4, np.int64)[rng.integers(0, n * 3 // 4, n)].view(
+        np.uint64
+    )
+    recs[:, 2] = L.pack_meta(L.KIND_STORED, 0)
+    return recs
+
+
+def ingest_baseline(n: int = 1_000_000) -> dict[str, float]:
+    """Ring records -> key state without the producer's rate cap, against the straightforward
+    fold: a Python dict updated record by record (same records, same process)."""
+    recs = _records(n)
+    keys = KeyState((0,))
+    t0 = time.perf_counter()
+    for at in range(0, n, DRAIN_STEP):
+        keys.apply(recs[at : at + DRAIN_STEP])
+    t1 = time.perf_counter()
+    state: dict[int, int] = {}
+    dirty: dict[int, None] = {}
+    for key, meta in zip(recs[:, 1].view(np.int64).tolist(), recs[:, 2].tolist(), strict=True):
+        bit = 1 << ((meta >> 8) & 0xFF)
+        old = state.get(key, 0)
+        state[key] = old | bit
+        if old != old | bit:
+            dirty[key] = None
+    t2 = time.perf_counter()
+    assert len(state) == keys.published_count
+    return {
+        "ingest_uncapped_events_per_s": n / (t1 - t0),
+        "ingest_baseline_dict_events_per_s": n / (t2 - t1),
+        "ratio_ingest_vs_dict": (t2 - t1) / (t1 - t0),
+    }
+
+
 def _listening(c: Child) -> str:
     """The URL a server child prints on its "listening on" line."""
     assert c.p.stdout is not None
@@ -200,6 +248,41 @@ async def reporting(base: str, n_keys: int, batch: int) -> float:
     return n_keys / dt
 
 
+async def wire_ceiling(base: str, n_keys: int, batch: int) -> float:
+    """Keys/s when the same pre-encoded delta body is posted back to back: what the HTTP client,
+    the kernel and the null server allow, with no ring, key state or encoding."""
+    keys = np.arange(1, batch + 1, dtype=np.int64)
+    body = W.encode_deltas(
+        "t", "bench", "127.0.0.1:8000", "ST_EVENT_REPORT_L1P5", keys, keys[:0], "hbm", SPEC
+    )
+    async with aiohttp.ClientSession() as s:
+        client = KvcmClient(s, base, 1 << 20)
+        t0 = time.perf_counter()
+        for _ in range(n_keys // batch):
+            assert (await client.post("reportEvent", body, 30)).ok
+        return (n_keys // batch) * batch / (time.perf_counter() - t0)
+
+
+def encode_baseline(batch: int) -> dict[str, float]:
+    """Delta encoding from key arrays (the sidecar's) against msgspec Structs per key."""
+    keys = _records(batch * 50)[:, 1].view(np.int64)
+    t0 = time.perf_counter()
+    for at in range(0, len(keys), batch):
+        W.encode_deltas(
+            "t", "b", "h:1", "ST_EVENT_REPORT_L1P5", keys[at : at + batch], keys[:0], "hbm", SPEC
+        )
+    t1 = time.perf_counter()
+    for at in range(0, len(keys), batch):
+        events = [W.ev_add(k, "hbm", SPEC) for k in keys[at : at + batch].view(np.uint64).tolist()]
+        W.encode(W.ReportEventRequest("t", "b", "h:1", "ST_EVENT_REPORT_L1P5", events))
+    t2 = time.perf_counter()
+    return {
+        "encode_delta_keys_per_s": len(keys) / (t1 - t0),
+        "encode_delta_baseline_msgspec_keys_per_s": len(keys) / (t2 - t1),
+        "ratio_encode_vs_msgspec": (t2 - t1) / (t1 - t0),
+    }
+
+
 async def snapshot_1m(base: str) -> dict[str, float]:
     """Build (key state -> published keys -> JSON) and send a snapshot of 1M random keys."""
     rng = np.random.default_rng(7)
@@ -217,11 +300,24 @@ async def snapshot_1m(base: str) -> dict[str, float]:
         r = await KvcmClient(s, base, 1 << 20).post("reportEvent", body, 120)
     t2 = time.perf_counter()
     assert r.ok
+    n_bytes = len(body)
+    del body
+    t3 = time.perf_counter()  # baseline: the same snapshot as msgspec Structs
+    blocks = [W.SnapshotBlock(str(k), "hbm", [SPEC]) for k in published.view(np.uint64).tolist()]
+    baseline = W.encode(
+        W.ReportEventRequest(
+            "t", "bench", "127.0.0.1:8000", "ST_EVENT_REPORT_L1P5", [W.ev_snapshot(blocks)]
+        )
+    )
+    t4 = time.perf_counter()
+    del blocks, baseline
     return {
         "snapshot_1m_keys": float(len(published)),
         "snapshot_1m_encode_s": t1 - t0,
+        "snapshot_1m_encode_baseline_msgspec_s": t4 - t3,
+        "ratio_snapshot_encode_vs_msgspec": (t4 - t3) / (t1 - t0),
         "snapshot_1m_send_s": t2 - t1,
-        "snapshot_1m_bytes": float(len(body)),
+        "snapshot_1m_bytes": float(n_bytes),
     }
 
 
@@ -238,10 +334,11 @@ def _sidecar(base: str, ring: str, instance: str, port: int) -> Child:
     return Child(PY, "-m", "sidecar.cli", "run", env=env)
 
 
-def _wait_log(c: Child, needle: str) -> dict[str, Any]:
+def _wait_log(c: Child, *needles: str) -> dict[str, Any]:
+    """The first log line containing any of `needles`."""
     while True:
         line = c.line()
-        if needle in str(line.get("msg", "")):
+        if any(n in str(line.get("msg", "")) for n in needles):
             return line
 
 
@@ -290,6 +387,20 @@ def latency(
     }
 
 
+_IDLE_FLOOR = """
+import asyncio, sys, uvloop
+import sidecar.daemon  # the daemon's imports: aiohttp, prometheus_client, numpy, msgspec
+from sidecar.config import RingConfig
+
+async def main():
+    print('{"ready": true}', flush=True)
+    while True:
+        await asyncio.sleep(RingConfig().idle_poll_interval_s)
+
+uvloop.run(main())
+"""
+
+
 def _proc_stats(pid: int) -> tuple[float, dict[str, float]]:
     """CPU seconds, and VmRSS with its parts (RssAnon: private; RssShmem: mapped ring pages)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -318,10 +429,17 @@ def resources(base: str, idle_s: float, n_keys: int) -> dict[str, float]:
     prod.line()
     side = _sidecar(base, ring, inst, 9500)
     _wait_log(side, "snapshot committed")
+    # Baseline, measured over the same window: a process with the daemon's imports whose uvloop
+    # loop only wakes every idle_poll_interval_s (the floor any Python event loop costs).
+    floor = Child(PY, "-c", _IDLE_FLOOR)
+    floor.line()
     time.sleep(2.0)  # settle: imports done, first heartbeats sent
     c0, rss_idle = _proc_stats(side.p.pid)
+    f0, rss_floor = _proc_stats(floor.p.pid)
     time.sleep(idle_s)  # the measurement window itself
     c1, _ = _proc_stats(side.p.pid)
+    f1, _ = _proc_stats(floor.p.pid)
+    floor.stop()
     side.p.terminate()
     side.p.wait(timeout=20)
     prod.stop()
@@ -336,11 +454,12 @@ def resources(base: str, idle_s: float, n_keys: int) -> dict[str, float]:
     )
     prod.line()
     side = _sidecar(base, ring, inst + "2", 9501)
-    # The sidecar holds every key once the engine resync is done. Then it sends the ~116 MB
-    # snapshot, which the stand-in refuses (413: its default body limit is 64 MiB), and the
-    # circuit opens: measure after that, once the request body has been freed.
+    # The sidecar holds every key once the engine resync is done. Then it sends the snapshot:
+    # 1 M keys are ~130 MB, which the stand-in refuses (413: its default body limit is 64 MiB),
+    # and the circuit opens (--quick's 100 k keys commit): measure after that, once the request
+    # body has been freed.
     _wait_log(side, f"published={n_keys}")
-    _wait_log(side, "CIRCUIT_OPEN")
+    _wait_log(side, "CIRCUIT_OPEN", "snapshot committed")
     time.sleep(2.0)
     _, rss_full = _proc_stats(side.p.pid)
     side.p.terminate()
@@ -349,8 +468,10 @@ def resources(base: str, idle_s: float, n_keys: int) -> dict[str, float]:
     unlink(ring)
     return {
         "idle_cpu_fraction_of_core": (c1 - c0) / idle_s,
+        "idle_cpu_baseline_loop_fraction_of_core": (f1 - f0) / idle_s,
         "idle_seconds": idle_s,
         "rss_idle_bytes": rss_idle["VmRSS"],
+        "rss_baseline_imports_bytes": rss_floor["VmRSS"],
         "rss_with_keys_bytes": rss_full["VmRSS"],
         "rss_keys": float(n_keys),
         "rss_bytes_per_key": (rss_full["VmRSS"] - rss_idle["VmRSS"]) / n_keys,
@@ -379,6 +500,12 @@ def main() -> None:
             runs = [await reporting(null, n_report, size) for _ in range(3)]
             res[f"report_null_keys_per_s{tag}"] = float(np.median(runs))
         res["report_batch_max_keys"] = float(batch)
+        ceiling = [await wire_ceiling(null, n_report, batch) for _ in range(3)]
+        res["report_wire_ceiling_keys_per_s"] = float(np.median(ceiling))
+        res["ratio_report_vs_wire_ceiling"] = (
+            res["report_null_keys_per_s"] / res["report_wire_ceiling_keys_per_s"]
+        )
+        res.update(encode_baseline(batch))
         res.update(await snapshot_1m(null))
 
     nullc, null = _null_server()
@@ -405,6 +532,8 @@ def main() -> None:
         res.update(resources(base, 5 if q else a.idle_seconds, 100_000 if q else 1_000_000))
     finally:
         kvcm.stop()
+    # Last: its million Python objects must not perturb the measurements above.
+    res.update(ingest_baseline(200_000 if q else 1_000_000))
     res["goals"] = {
         "ingest >= 2M events/s, zero drops": res["ingest_events_per_s"] >= 2e6
         and res["ingest_dropped"] == 0,
