@@ -135,7 +135,12 @@ class KvcmServer:
             while True:
                 await asyncio.sleep(0.5)
                 if self.state.dirty:
-                    self.state.save()
+                    steps = self.state.save_steps()
+                    try:
+                        for _ in steps:
+                            await asyncio.sleep(0)  # serve requests between pieces
+                    finally:
+                        steps.close()  # cancelled at shutdown: drop the partial file now
 
         task = asyncio.create_task(loop())  # owned by this cleanup context, cancelled below
         yield

@@ -411,10 +411,9 @@ class EventReport:
                     loc = locs[medium] = intern_loc(r.storage_type, medium, r.host_ip_port)
                     r.mediums.add(medium)
                 at = inst_blocks.get(key)
-                if at is None:
-                    inst_blocks[key] = {loc: stamped(specs)}
-                else:
-                    at[loc] = stamped(specs)
+                inst_blocks[key] = (
+                    {loc: stamped(specs)} if at is None else {**at, loc: stamped(specs)}
+                )
             st.note_arrivals(r, (key for key, _ in blocks), now)
             st.gc_reporter(r, keep_version=version)  # omitted blocks vanish at once
             r.version = version
@@ -535,9 +534,10 @@ class _Puts:
             else:
                 old = at.get(loc)
                 if old is not stamped:
-                    at[loc] = (
+                    merged = (
                         stamped if old is None else tuple({**dict(old), **dict(stamped)}.items())
                     )
+                    blocks[key] = {**at, loc: merged}  # entries are replaced, never mutated
             owned[shard].add(key)
         self.arrived.append(keys)
 
@@ -554,11 +554,11 @@ class _Puts:
             return  # idempotent: nothing stored there
         rest = tuple((n, u) for n, u in old if n not in names)
         if rest:
-            at[loc] = rest
+            self.blocks[key] = {**at, loc: rest}
+        elif len(at) > 1:
+            self.blocks[key] = {other: v for other, v in at.items() if other != loc}
         else:
-            del at[loc]
-            if not at:
-                del self.blocks[key]
+            del self.blocks[key]
 
 
 _TYPED_SPECS: dict[bytes, dict[str, str]] = {}
