@@ -108,7 +108,7 @@ def main(args: dict[str, Any]) -> None:
             (args["dp_rank"] + (rng.random() < 0.3) * rng.randrange(len(system))) % len(system)
         ]
         tokens = p + [rng.randrange(32_000) for _ in range(rng.randrange(16, 256))]
-        before = cache.published() if requests % 50 == 0 else None
+        before = cache.published() if requests % 10 == 0 else None
         cache.insert(tokens)
         if before is not None:
             now = time.monotonic_ns()
