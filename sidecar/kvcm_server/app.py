@@ -23,7 +23,7 @@ from aiohttp import web
 from engine_hook.rolling_hash import block_keys as rolling_keys
 from sidecar.kvcm_server import proto as P
 from sidecar.kvcm_server.report import EventReport
-from sidecar.kvcm_server.state import ApiError, KeyMap, State, uri_version
+from sidecar.kvcm_server.state import ApiError, KeyMap, Loc, State, uri_version
 
 log = logging.getLogger(__name__)
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -362,14 +362,25 @@ class KvcmServer:
         st = self.state
         out = []
         for r in st.reporters.values():
-            keys = sorted(
-                str(k)
-                for k, locs in (st.blocks.get(r.instance_id) or KeyMap()).items()
-                for loc, specs in locs.items()
-                if loc[0] == r.storage_type
-                and loc[2] == r.host_ip_port
-                and st.visible(loc[0], loc[2], r.instance_id, specs)
-            )
+            # Blocks share their Specs objects: decide visibility and versions once per object
+            # (per block, this held the loop ~70 ms for 8 k blocks, twice a second in the demo).
+            seen: dict[tuple[Loc, int], tuple[bool, tuple[str, ...]]] = {}
+            keys: list[str] = []
+            versions: set[str] = set()
+            for k, locs in (st.blocks.get(r.instance_id) or KeyMap()).items():
+                for loc, specs in locs.items():
+                    if loc[2] != r.host_ip_port:
+                        continue
+                    hit = seen.get((loc, id(specs)))
+                    if hit is None:
+                        vis = loc[0] == r.storage_type and st.visible(
+                            loc[0], loc[2], r.instance_id, specs
+                        )
+                        found = tuple(v for v in (uri_version(u) for _, u in specs) if v)
+                        hit = seen[(loc, id(specs))] = (vis, found)
+                    if hit[0]:
+                        keys.append(str(k))
+                    versions.update(hit[1])
             out.append(
                 {
                     "instance_id": r.instance_id,
@@ -380,18 +391,9 @@ class KvcmServer:
                     "strict": r.strict,
                     "mediums": sorted(r.mediums),
                     "system_status": r.system_status,
-                    "visible_keys": keys,
+                    "visible_keys": sorted(keys),
                     "heartbeat_times": list(r.heartbeat_times),
-                    "stored_versions": sorted(
-                        {
-                            v
-                            for locs in (st.blocks.get(r.instance_id) or KeyMap()).values()
-                            for loc, sp in locs.items()
-                            if loc[2] == r.host_ip_port
-                            for v in (uri_version(u) for _, u in sp)
-                            if v
-                        }
-                    ),
+                    "stored_versions": sorted(versions),
                 }
             )
         return web.Response(
