@@ -25,6 +25,7 @@ from sidecar.kvcm_server.state import (
     State,
     intern_loc,
     stamp,
+    untracked,
     valid_uri,
 )
 
@@ -442,7 +443,7 @@ class _Stamper:
     def __call__(self, specs: dict[str, str]) -> Specs:
         hit = self.cache.get(id(specs))
         if hit is None or hit[0] is not specs:
-            stamped = tuple((n, stamp(u, self.version)) for n, u in specs.items())
+            stamped = untracked(tuple((n, stamp(u, self.version)) for n, u in specs.items()))
             hit = self.cache[id(specs)] = (specs, stamped)
         return hit[1]
 

@@ -8,6 +8,7 @@ differ).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import re
@@ -16,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import msgspec
 
@@ -173,12 +174,35 @@ class Reporter:
 _LOCS: dict[Loc, Loc] = {}
 
 
+Tup = TypeVar("Tup", bound=tuple[Any, ...])
+
+
+def untracked(t: Tup) -> Tup:
+    """`t` (a new tuple of strings, or of such tuples), made invisible to the garbage collector.
+
+    CPython stops tracking such a tuple only when a collection examines it, and until then
+    every dict it is stored in is tracked for good: block entries are millions of dicts that
+    each full collection would walk. A young-generation collection examines the new tuples:
+    the flat ones are untracked, a nested one is not (its items were still tracked when it was
+    looked at), so it is rebuilt from its now-untracked items and examined again. For the few
+    shared tuples only (locations, stamped spec lists).
+    """
+    gc.collect(0)
+    if gc.is_tracked(t):
+        t = cast(Tup, tuple(list(t)))
+        gc.collect(0)
+    return t
+
+
 def intern_loc(storage_type: str, medium: str, host: str) -> Loc:
     """One tuple object per location, shared by every block stored there (see Specs)."""
     t = (storage_type, medium, host)
     if len(_LOCS) >= 65_536:
         return t
-    return _LOCS.setdefault(t, t)
+    known = _LOCS.get(t)
+    if known is None:
+        known = _LOCS[t] = untracked(t)
+    return known
 
 
 def valid_uri(uri: Any) -> bool:
@@ -210,8 +234,10 @@ class State:
         self.owned: dict[tuple[str, str, str], KeySet] = {}
         self.reporters: dict[tuple[str, str, str], Reporter] = {}
         self.dirty = False
+        self._loaded_specs: dict[Specs, Specs] = {}
         if state_file is not None and state_file.exists():
             self._load(state_file)
+            self._loaded_specs.clear()
 
     # ---- persistence (instances and block metadata survive; reporters do not) ----------
     def save(self) -> None:
@@ -273,10 +299,19 @@ class State:
             d = self.blocks.setdefault(inst, KeyMap())
             for k, locs in keys:
                 d[int(k)] = {
-                    intern_loc(st, med, host): tuple(specs.items()) for st, med, host, specs in locs
+                    intern_loc(st, med, host): self._shared_specs(specs)
+                    for st, med, host, specs in locs
                 }
                 for st, _, host, _ in locs:
                     self.owned.setdefault((inst, st, host), KeySet()).add(int(k))
+
+    def _shared_specs(self, specs: dict[str, str]) -> Specs:
+        """One untracked Specs object per distinct spec list read from the state file."""
+        t = tuple(specs.items())
+        known = self._loaded_specs.get(t)
+        if known is None:
+            known = self._loaded_specs[t] = untracked(t)
+        return known
 
     # ---- admin -------------------------------------------------------------------------
     def add_storage(self, req: dict[str, Any], *, update: bool = False) -> None:
@@ -435,7 +470,8 @@ class State:
                     if hit is None:
                         # stamp() puts s_version last, and publishers' URIs never carry one.
                         new = tuple((n, u) for n, u in old if u.endswith(suffix))
-                        hit = memo[id(old)] = (old, old if len(new) == len(old) else new)
+                        kept_specs = old if len(new) == len(old) else untracked(new)
+                        hit = memo[id(old)] = (old, kept_specs)
                     if hit[1]:
                         kept.add(k)
                         if hit[1] is not old:
