@@ -19,7 +19,19 @@ def fold_ops(keys: np.ndarray, metas: np.ndarray) -> tuple[np.ndarray, np.ndarra
     n = len(keys)
     groups = ((metas >> np.uint64(8)) & np.uint64(0xFF)).astype(np.int64)
     kinds = (metas & np.uint64(0xFF)).astype(np.uint8)
-    order = np.lexsort((np.arange(n), groups, keys))
+    # Order by (key, group, arrival). A three-key lexsort cost ~140 ns per record; an unstable
+    # sort by key alone (SIMD) costs a fifth of that, and only the records of keys that repeat
+    # in this batch (usually few) need the full order, which they get among themselves (their
+    # runs of equal keys already sit where they belong).
+    order = np.argsort(keys)
+    repeat = keys[order[1:]] == keys[order[:-1]]
+    if repeat.any():
+        in_run = np.zeros(n, np.bool_)
+        in_run[1:] = repeat
+        in_run[:-1] |= repeat
+        at = np.flatnonzero(in_run)
+        o = order[at]
+        order[at] = o[np.lexsort((o, groups[o], keys[o]))]
     k_s, g_s, kind_s = keys[order], groups[order], kinds[order]
     last = np.ones(n, np.bool_)
     last[:-1] = (k_s[1:] != k_s[:-1]) | (g_s[1:] != g_s[:-1])

@@ -184,3 +184,33 @@ def test_key_state_dirty_since_is_when_the_oldest_unsent_change_arrived() -> Non
     now[0] = 3.0
     ks.apply(records([(L.KIND_REMOVED, 0, 9)], 6))
     assert ks.dirty_since == 3.0
+
+
+@settings(max_examples=500)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from([L.KIND_STORED, L.KIND_REMOVED]),
+            st.integers(0, 3),
+            st.one_of(st.integers(-3, 8), st.sampled_from([-(2**63), 2**63 - 1])),
+        ),
+        max_size=200,
+    )
+)
+def test_fold_ops_is_the_last_op_per_key_and_group(ops: list[tuple[int, int, int]]) -> None:
+    """The fold behind both the key state and the engine's resident set: per distinct key, the
+    group bits whose last record stored them and those whose last record removed them."""
+    from sidecar.shm_ring.fold import fold_ops
+
+    recs = records(ops)
+    keys, setb, clrb = fold_ops(recs[:, 1].view(np.int64), recs[:, 2])
+    last: dict[tuple[int, int], int] = {}
+    for kind, group, key in ops:
+        last[(key, group)] = kind
+    want: dict[int, list[int]] = {}
+    for (key, group), kind in last.items():
+        bits = want.setdefault(key, [0, 0])
+        bits[kind != L.KIND_STORED] |= 1 << group
+    got = {k: [s, c] for k, s, c in zip(keys.tolist(), setb.tolist(), clrb.tolist(), strict=True)}
+    assert got == want
+    assert keys.tolist() == sorted(want)  # distinct and ascending
