@@ -25,10 +25,18 @@ from engine_hook.rolling_hash import block_keys
 BLOCK = 16
 
 
+COMMON_BLOCKS = 4  # every tenant's prompt starts with the same system preamble
+
+
 def prompts(seed: int, n: int = 8) -> list[list[int]]:
-    """Shared system prompts; the demo uses the same seed to build its router queries."""
+    """One prompt per tenant: a preamble common to all, then the tenant's own instructions.
+    Tenant i is served by dp rank i % dp_size; the demo uses the same seed for its router
+    queries, so each prompt matches fully on its own rank and only the preamble elsewhere."""
     rng = random.Random(seed)
-    return [[rng.randrange(32_000) for _ in range(rng.randrange(64, 512))] for _ in range(n)]
+    common = [rng.randrange(32_000) for _ in range(COMMON_BLOCKS * BLOCK)]
+    return [
+        common + [rng.randrange(32_000) for _ in range(rng.randrange(64, 448))] for _ in range(n)
+    ]
 
 
 def _emit(obj: dict[str, Any]) -> None:
@@ -82,6 +90,8 @@ def main(args: dict[str, Any]) -> None:
     )
     rng = random.Random(args["seed"] * 1000 + args["dp_rank"])
     system = prompts(args["seed"])
+    dp_size = args.get("dp_size", 1)
+    own = [t for i, t in enumerate(system) if i % dp_size == args["dp_rank"]] or system
     go = threading.Event()
     quiet = threading.Event()
 
@@ -103,10 +113,7 @@ def main(args: dict[str, Any]) -> None:
     rate = args.get("requests_per_s", 150)
     t0 = time.monotonic()
     while not quiet.is_set():
-        # Prefer this rank's "own" prompts so the router view shows per-host differences.
-        p = system[
-            (args["dp_rank"] + (rng.random() < 0.3) * rng.randrange(len(system))) % len(system)
-        ]
+        p = rng.choice(own)  # this rank's tenants (a router sent their requests here)
         tokens = p + [rng.randrange(32_000) for _ in range(rng.randrange(16, 256))]
         before = cache.published() if requests % 10 == 0 else None
         cache.insert(tokens)

@@ -330,7 +330,11 @@ class Demo:
                 {"instance_id": self.instance, "query_type": "QT_PREFIX_MATCH", "token_ids": p},
             )
             hosts = ", ".join(f"{h['host_ip_port']}={h['local']}" for h in resp["hosts"]) or "-"
-            self.say(f"    prompt {i} ({len(p) // 16} full blocks): {hosts}")
+            self.say(f"    prompt {i} of rank {i % self.n} ({len(p) // 16} full blocks): {hosts}")
+        self.say(
+            "  (every tenant's prompt starts with the same 4-block preamble; a router sends each"
+            " prompt to the host with the longest match)"
+        )
         self.say("")
         self.say(
             "  RESULT: "

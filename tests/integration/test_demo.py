@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -24,3 +25,15 @@ def test_demo_two_ranks_converges_and_exits_0() -> None:
     assert "every rank converged" in out.stdout
     assert "fault: SIGKILL the sidecar of rank 0" in out.stdout
     assert "router view" in out.stdout
+    # Each tenant's prompt is served by one rank: KVCM must show a longer prefix there than on
+    # the other host, which holds at most the shared preamble (4 blocks): what lets a router
+    # choose. (Not exact counts: the workload also evicts random blocks now and then.)
+    rows = re.findall(
+        r"prompt (\d+) of rank (\d+) \((\d+) full blocks\): 127\.0\.0\.1:18000=(\d+), "
+        r"127\.0\.0\.1:18001=(\d+)",
+        out.stdout,
+    )
+    assert len(rows) == 4, out.stdout[-3000:]
+    for _, rank, full, *per_host in rows:
+        mine, other = int(per_host[int(rank)]), int(per_host[1 - int(rank)])
+        assert int(full) >= mine > other and other <= 4, out.stdout[-3000:]
