@@ -276,25 +276,47 @@ class EventReport:
                 messages.append(str(exc))
             return self._close(r, created, had_generation, True, results, messages, out)
         puts = _Puts(self.state, r)
-        ok = "OK"
         events = req.events
-        inject = self.fail_items > 0  # (only this loop decrements it)
-        # The publisher's usual body: ADDs sharing one medium and spec list, then DELETEs. The
-        # ADD run is applied in one go when every item in it is valid (add_run checks).
         n_add = types.count(ADD)
-        start = 0
-        run = n_add == len(types) or (n_add > 0 and types.index(DELETE) == n_add)
-        # (decode_report checked that every ADD has its payload)
-        adds = cast("list[P.TAdd]", [ev.block_add for ev in events[:n_add]])
-        if run and not inject and puts.add_run(adds):
-            results.extend([ok] * n_add)
-            start = n_add
+        # The publisher's usual body: ADDs sharing one medium and spec list, then DELETEs sharing
+        # one medium and spec-name list. Each run is applied in one go when every item in it is
+        # valid (add_run / delete_run check); otherwise item by item, which names each invalid
+        # item. Injected item failures always go item by item.
+        if self.fail_items <= 0 and (n_add == len(types) or types.index(DELETE) == n_add):
+            # (decode_report checked that every event has its payload)
+            adds = cast("list[P.TAdd]", [ev.block_add for ev in events[:n_add]])
+            dels = cast("list[P.TDelete]", [ev.block_delete for ev in events[n_add:]])
+            if adds and not puts.add_run(adds):
+                self._items(puts, r, events[:n_add], types[:n_add], results, messages)
+            elif adds:
+                results.extend(["OK"] * len(adds))
+            if dels and not puts.delete_run(dels):
+                self._items(puts, r, events[n_add:], types[n_add:], results, messages)
+            elif dels:
+                results.extend(["OK"] * len(dels))
+        else:
+            self._items(puts, r, events, types, results, messages)
+        puts.log_arrivals()
+        return self._close(r, created, had_generation, False, results, messages, out)
+
+    def _items(
+        self,
+        puts: _Puts,
+        r: Reporter,
+        events: list[P.TEvent],
+        types: list[str],
+        results: list[str],
+        messages: list[str],
+    ) -> None:
+        """Typed ADD/DELETE events one by one, each with its own result."""
+        ok = "OK"
         # The publisher repeats one medium and one spec list: resolve them when they change.
         medium: str | None = None
         specs: msgspec.Raw | None = None
         loc: Loc = ("", "", "")
         stamped: Specs = ()
-        for ev, etype in zip(events[start:], types[start:], strict=True):
+        inject = self.fail_items > 0  # (only this loop decrements it)
+        for ev, etype in zip(events, types, strict=True):
             try:
                 if inject and self.fail_items > 0:
                     self.fail_items -= 1
@@ -324,8 +346,6 @@ class EventReport:
             except ItemError as exc:
                 results.append(exc.code)
                 messages.append(str(exc))
-        puts.log_arrivals()
-        return self._close(r, created, had_generation, False, results, messages, out)
 
     async def _wait_gate(self, r: Reporter, storage: dict[str, Any]) -> None:
         gate = self.gates.setdefault(r.key, asyncio.Event())
@@ -505,22 +525,52 @@ class _Puts:
         medium, raw = first.medium, first.specs
         if not all(a.medium == medium for a in adds) or not all(a.specs == raw for a in adds):
             return False
-        texts = [a.block_key for a in adds]
-        digits = "".join(texts).encode()  # non-ASCII digits are not plain decimals
-        if min(map(len, texts)) < 1 or max(map(len, texts)) > 20 or not digits.isdigit():
+        keys = _plain_keys([a.block_key for a in adds])
+        if keys is None:
             return False
-        keys = list(map(int, texts))
-        top = max(keys)
-        if top >= _U64:
-            return False
-        if top >= _I63:  # unsigned text of a negative int64 (contract §4.2)
-            keys = [k - _U64 if k >= _I63 else k for k in keys]
         try:
             loc, specs = self.loc(medium), _typed_specs(raw)
         except ItemError:
             return False
         self.r.mediums.add(medium)
         self.add_keys(keys, loc, self.stamped(specs))
+        return True
+
+    def delete_run(self, dels: list[P.TDelete]) -> bool:
+        """Apply a run of DELETEs that share one medium and one list of spec names and whose
+        keys are all plain decimals; otherwise apply nothing and return False, as add_run."""
+        first = dels[0]
+        medium, names = first.medium, first.spec_names
+        if not all(d.medium == medium for d in dels) or not all(
+            d.spec_names == names for d in dels
+        ):
+            return False
+        keys = _plain_keys([d.block_key for d in dels])
+        if keys is None or not names or not all(names):
+            return False
+        try:
+            loc = self.loc(medium)
+        except ItemError:
+            return False
+        self._version()
+        block_shards = self.block_shards
+        remaining: dict[int, tuple[Specs, Specs]] = {}  # id(specs) -> (specs, what is left)
+        for key in keys:  # delete(), inlined: the same effect for each key in turn
+            blocks = block_shards[_ROUTE[key & _ROUTE_MASK]]
+            at = blocks.get(key)
+            old = at.get(loc) if at is not None else None
+            if at is None or old is None:
+                continue
+            hit = remaining.get(id(old))
+            if hit is None:
+                left = tuple((n, u) for n, u in old if n not in names)
+                hit = remaining[id(old)] = (old, untracked(left) if left else left)
+            if hit[1]:
+                blocks[key] = {**at, loc: hit[1]}
+            elif len(at) > 1:
+                blocks[key] = {other: v for other, v in at.items() if other != loc}
+            else:
+                del blocks[key]
         return True
 
     def add_keys(self, keys: Sequence[int], loc: Loc, stamped: Specs) -> None:
@@ -578,6 +628,20 @@ def _typed_specs(raw: msgspec.Raw) -> dict[str, str]:
 
 _I63, _U64 = 1 << 63, 1 << 64
 _ROUTE, _ROUTE_MASK = KeyMap.ROUTE, KeyMap.MASK
+
+
+def _plain_keys(texts: list[str]) -> list[int] | None:
+    """int64 patterns of `texts` if every one is 1-20 ASCII digits below 2**64, else None."""
+    digits = "".join(texts).encode()  # non-ASCII digits are not plain decimals
+    if min(map(len, texts)) < 1 or max(map(len, texts)) > 20 or not digits.isdigit():
+        return None
+    keys = list(map(int, texts))
+    top = max(keys)
+    if top >= _U64:
+        return None
+    if top >= _I63:  # unsigned text of a negative int64 (contract §4.2)
+        keys = [k - _U64 if k >= _I63 else k for k in keys]
+    return keys
 
 
 def _typed_key(text: str) -> int:

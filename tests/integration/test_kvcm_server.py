@@ -11,7 +11,7 @@ import gc
 import io
 import os
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -739,10 +739,13 @@ def _event(draw: st.DrawFn) -> dict[str, Any]:
 
 
 def _publisher_request(draw: st.DrawFn) -> list[dict[str, Any]]:
-    """A publisher's shape: ADDs sharing one medium and spec list, then DELETEs (sometimes with
-    an odd item in the ADD run, which must not change any answer)."""
+    """A publisher's shape: ADDs sharing one medium and spec list, then DELETEs sharing one
+    medium and spec-name list (sometimes with an odd item in either run, which must not change
+    any answer)."""
     medium, uri = draw(MEDIUM), draw(URI)
     specs = [{"name": "full", "uri": uri}]
+    if draw(st.booleans()):  # a second spec: a DELETE of one of them leaves the other
+        specs.append({"name": "other", "uri": draw(URI)})
     adds = [
         {
             "event_type": "EVENT_BLOCK_ADD",
@@ -752,13 +755,17 @@ def _publisher_request(draw: st.DrawFn) -> list[dict[str, Any]]:
     ]
     if draw(st.booleans()):
         adds.insert(draw(st.integers(0, len(adds))), draw(st.composite(_event)()))
+    names = draw(st.sampled_from([["full"], ["full", "other"], ["other"]]))
     deletes = [
         {
             "event_type": "EVENT_BLOCK_DELETE",
-            "block_delete": {"block_key": k, "medium": medium, "spec_names": ["full"]},
+            "block_delete": {"block_key": k, "medium": medium, "spec_names": names},
         }
-        for k in draw(st.lists(KEY_TEXT, max_size=3))
+        for k in draw(st.lists(KEY_TEXT, max_size=4))
     ]
+    odd: bool = draw(st.booleans())
+    if deletes and odd:
+        deletes.insert(draw(st.integers(0, len(deletes))), draw(st.composite(_event)()))
     return adds + deletes
 
 
@@ -958,3 +965,45 @@ async def test_block_entries_are_invisible_to_the_garbage_collector(
             await runner.cleanup()  # writes the state file
     restored = list(S.State(clock, sf).blocks[IID].values())
     assert len(restored) == len(live) and not [e for e in restored if gc.is_tracked(e)]
+
+
+async def test_a_publisher_batch_of_deletes_removes_only_the_named_specs(api: Api) -> None:
+    """The one-run DELETE path: a delete of one spec name keeps the block's other specs, a
+    delete of every name removes the block, an absent block is a no-op; the same in
+    lowerCamelCase (the item-by-item dict path)."""
+    two = [
+        {"name": "full", "uri": "event_report://h/a"},
+        {"name": "swa", "uri": "event_report://h/b"},
+    ]
+
+    def add2(key: int) -> dict[str, Any]:
+        body = {"block_key": str(key), "medium": "hbm", "specs": two}
+        return {"event_type": "EVENT_BLOCK_ADD", "block_add": body}
+
+    assert code(await api("registerInstance", REG)) == "OK"
+    spellings: list[tuple[str, Callable[[Any], Any]]] = [
+        (HOST, lambda b: b),
+        ("10.0.0.2:8000", _camel),
+    ]
+    for host, spell in spellings:
+        body = {
+            "trace_id": "t",
+            "instance_id": IID,
+            "host_ip_port": host,
+            "storage_type": "ST_EVENT_REPORT_L1P5",
+            "events": [add2(1), add2(2), add2(3), delete(1), delete(2), delete(9)],
+        }
+        status, resp = await api.raw("reportEvent", msgspec.json.encode(spell(body)))
+        assert status == 200 and code(resp) == "OK"
+        more = {**body, "events": [delete(2, spec="swa")]}
+        status, resp = await api.raw("reportEvent", msgspec.json.encode(spell(more)))
+        assert status == 200 and code(resp) == "OK"
+    blocks = api.server.state.blocks[IID]
+    for host in (HOST, "10.0.0.2:8000"):
+        left = {
+            k: sorted(n for n, _ in specs)
+            for k in (1, 2, 3)
+            for loc, specs in (blocks.get(k) or {}).items()
+            if loc[2] == host
+        }
+        assert left == {1: ["swa"], 3: ["full", "swa"]}, host
