@@ -29,14 +29,8 @@ from sidecar.kvcm_server.state import (
     valid_uri,
 )
 
-REGISTER, ADD, DELETE, HOST_DOWN, HEARTBEAT, SNAPSHOT = (
-    "EVENT_NODE_REGISTER",
-    "EVENT_BLOCK_ADD",
-    "EVENT_BLOCK_DELETE",
-    "EVENT_HOST_DOWN",
-    "EVENT_HEARTBEAT",
-    "EVENT_BLOCK_SNAPSHOT",
-)
+REGISTER, HOST_DOWN, HEARTBEAT = "EVENT_NODE_REGISTER", "EVENT_HOST_DOWN", "EVENT_HEARTBEAT"
+ADD, DELETE, SNAPSHOT = P.ADD, P.DELETE, P.SNAPSHOT
 
 
 class ItemError(Exception):
@@ -249,7 +243,7 @@ class EventReport:
                 or any(not isinstance(n, str) or not n for n in names)
             ):
                 raise ItemError("INVALID_ARGUMENT", "spec_names must be a non-empty list of names")
-            puts.delete(key, puts.loc(medium), names)
+            puts.delete_keys((key,), puts.loc(medium), tuple(names))
         elif etype == HOST_DOWN:
             st.tombstone(r)
 
@@ -341,7 +335,7 @@ class EventReport:
                         raise ItemError(
                             "INVALID_ARGUMENT", "spec_names must be a non-empty list of names"
                         )
-                    puts.delete(key, dloc, d.spec_names)
+                    puts.delete_keys((key,), dloc, d.spec_names)
                 results.append(ok)
             except ItemError as exc:
                 results.append(exc.code)
@@ -479,6 +473,7 @@ class _Puts:
         "now",
         "owned",
         "r",
+        "remaining",
         "st",
         "stamper",
     )
@@ -490,6 +485,8 @@ class _Puts:
         self.block_shards = self.blocks.shards  # add_keys picks shards itself: the hot loop
         self.now = st.clock()  # one arrival time per request: its events arrived together
         self.arrived: list[Sequence[int]] = []
+        # names -> id(specs) -> (specs, what a delete of names leaves); holds specs: ids stay
+        self.remaining: dict[tuple[str, ...], dict[int, tuple[Specs, Specs]]] = {}
         self.owned = st.owned.setdefault(r.key, KeySet()).shards
         self.locs: dict[str, Loc] = {}
         self.stamper: _Stamper | None = None
@@ -552,25 +549,7 @@ class _Puts:
             loc = self.loc(medium)
         except ItemError:
             return False
-        self._version()
-        block_shards = self.block_shards
-        remaining: dict[int, tuple[Specs, Specs]] = {}  # id(specs) -> (specs, what is left)
-        for key in keys:  # delete(), inlined: the same effect for each key in turn
-            blocks = block_shards[_ROUTE[key & _ROUTE_MASK]]
-            at = blocks.get(key)
-            old = at.get(loc) if at is not None else None
-            if at is None or old is None:
-                continue
-            hit = remaining.get(id(old))
-            if hit is None:
-                left = tuple((n, u) for n, u in old if n not in names)
-                hit = remaining[id(old)] = (old, untracked(left) if left else left)
-            if hit[1]:
-                blocks[key] = {**at, loc: hit[1]}
-            elif len(at) > 1:
-                blocks[key] = {other: v for other, v in at.items() if other != loc}
-            else:
-                del blocks[key]
+        self.delete_keys(keys, loc, names)
         return True
 
     def add_keys(self, keys: Sequence[int], loc: Loc, stamped: Specs) -> None:
@@ -597,33 +576,34 @@ class _Puts:
         if self.arrived:
             self.st.note_arrivals(self.r, itertools.chain.from_iterable(self.arrived), self.now)
 
-    def delete(self, key: int, loc: Loc, names: Any) -> None:
+    def delete_keys(self, keys: Sequence[int], loc: Loc, names: tuple[str, ...]) -> None:
+        """Remove the specs named `names` at `loc` (from `loc()`) of every block in `keys`;
+        a block with nothing left goes. Idempotent: nothing stored there, nothing to do."""
         self._version()
-        at = self.blocks.get(key)
-        old = at.get(loc) if at else None
-        if at is None or old is None:
-            return  # idempotent: nothing stored there
-        rest = tuple((n, u) for n, u in old if n not in names)
-        if rest:
-            self.blocks[key] = {**at, loc: rest}
-        elif len(at) > 1:
-            self.blocks[key] = {other: v for other, v in at.items() if other != loc}
-        else:
-            del self.blocks[key]
-
-
-_TYPED_SPECS: dict[bytes, dict[str, str]] = {}
+        block_shards = self.block_shards
+        remaining = self.remaining.setdefault(names, {})
+        for key in keys:
+            blocks = block_shards[_ROUTE[key & _ROUTE_MASK]]
+            at = blocks.get(key)
+            old = at.get(loc) if at is not None else None
+            if at is None or old is None:
+                continue
+            hit = remaining.get(id(old))
+            if hit is None:  # once per stored spec list and names: blocks share their Specs
+                left = tuple((n, u) for n, u in old if n not in names)
+                hit = remaining[id(old)] = (old, untracked(left) if left else left)
+            if hit[1]:
+                blocks[key] = {**at, loc: hit[1]}
+            elif len(at) > 1:
+                blocks[key] = {other: v for other, v in at.items() if other != loc}
+            else:
+                del blocks[key]
 
 
 def _typed_specs(raw: msgspec.Raw) -> dict[str, str]:
-    text = bytes(raw)
-    out = _TYPED_SPECS.get(text)
-    if out is None:
-        specs = P.typed_specs(raw)
-        out = _specs({"specs": [{"name": s.name, "uri": s.uri} for s in specs]})
-        if len(_TYPED_SPECS) < 1024:
-            _TYPED_SPECS[text] = out  # publishers repeat one spec list for every block
-    return out
+    """The checked spec dict of a raw spec list (both steps cache: publishers repeat one list,
+    and the same dict object keeps the stamped Specs shared)."""
+    return _specs({"specs": [{"name": s.name, "uri": s.uri} for s in P.typed_specs(raw)]})
 
 
 _I63, _U64 = 1 << 63, 1 << 64
