@@ -121,13 +121,17 @@ class KeyState:
         out: np.ndarray = (masks & self.required) == self.required
         return out
 
-    def _mark_dirty(self, pos: np.ndarray) -> None:
+    def _mark_dirty(self, pos: np.ndarray, front: bool = False) -> None:
+        """Queue the positions not queued yet: last in line, or first (`front`, for retries)."""
         pos = pos[~self._queued[pos]]
         if len(pos):
             if not self._ndirty:
                 self.dirty_since = self.clock()
             self._queued[pos] = True
-            self._queue.append(pos)
+            if front:
+                self._queue.insert(0, pos)
+            else:
+                self._queue.append(pos)
             self._ndirty += len(pos)
 
     # ---- views --------------------------------------------------------------------------------
@@ -269,14 +273,7 @@ class KeyState:
             self.requeue_front(keys[failed_idx])
 
     def requeue_front(self, keys: np.ndarray) -> None:
-        pos = self._find(keys, insert=True)
-        pos = pos[~self._queued[pos]]
-        if len(pos):
-            if not self._ndirty:
-                self.dirty_since = self.clock()
-            self._queued[pos] = True
-            self._queue.insert(0, pos)
-            self._ndirty += len(pos)
+        self._mark_dirty(self._find(keys, insert=True), front=True)
 
     def commit_snapshot(self, sent: np.ndarray) -> None:
         """KVCM now holds exactly `sent` (distinct keys); whatever changed since is dirty."""
