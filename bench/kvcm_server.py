@@ -20,6 +20,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from sidecar.kvcm_server import proto as P
+
 RESULTS = Path(__file__).resolve().parent / "results"
 REG = {
     "instance_group": "default",
@@ -39,18 +41,6 @@ def _add(k: int) -> dict[str, Any]:
             "specs": [{"name": "full", "uri": "event_report://h/hbm"}],
         },
     }
-
-
-def _camel(obj: Any) -> Any:
-    """The same message with lowerCamelCase keys (proto3 JSON accepts both spellings)."""
-    if isinstance(obj, dict):
-        return {
-            k.split("_")[0] + "".join(p.title() for p in k.split("_")[1:]): _camel(v)
-            for k, v in obj.items()
-        }
-    if isinstance(obj, list):
-        return [_camel(v) for v in obj]
-    return obj
 
 
 def _req(host: str, events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -111,7 +101,7 @@ async def run(base: str) -> dict[str, float]:
         out["events_per_s_in_20k_request"] = 20_000 / med
         # Baseline: the same requests in lowerCamelCase, which the generic dict path decodes
         # and applies event by event (what every request cost before the typed path).
-        slow = statistics.median(await timed("camel:1", 3, _camel))
+        slow = statistics.median(await timed("camel:1", 3, P.camel))
         out["apply_20k_event_request_dict_path_s"] = slow
         out["ratio_typed_vs_dict_path"] = slow / med
         # 3. a 50,000-block snapshot

@@ -95,6 +95,19 @@ def snake(obj: Any, depth: int = 1, limit: int = 64) -> Any:
     return obj
 
 
+def camel(obj: Any) -> Any:
+    """snake_case keys -> lowerCamelCase, recursively: the other spelling proto3 JSON accepts
+    (tests and benchmarks use it to send a message down the generic dict path)."""
+    if isinstance(obj, dict):
+        return {
+            k.split("_")[0] + "".join(p.title() for p in k.split("_")[1:]): camel(v)
+            for k, v in obj.items()
+        }
+    if isinstance(obj, list):
+        return [camel(v) for v in obj]
+    return obj
+
+
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
 

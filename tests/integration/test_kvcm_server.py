@@ -705,16 +705,6 @@ async def test_liveness_configured_through_add_storage_route(clock: FakeClock) -
 
 
 # ---- the typed fast path and the dict path answer alike ------------------------------------
-def _camel(obj: Any) -> Any:
-    """The same message in lowerCamelCase: forces the generic dict path."""
-    if isinstance(obj, dict):
-        return {
-            (k.split("_")[0] + "".join(p.title() for p in k.split("_")[1:])): _camel(v)
-            for k, v in obj.items()
-        }
-    if isinstance(obj, list):
-        return [_camel(v) for v in obj]
-    return obj
 
 
 KEY_TEXT = st.one_of(
@@ -834,7 +824,7 @@ async def _compare_paths(a: Api, b: Api, data: st.DataObject) -> None:
         raw = msgspec.json.encode(body)
         typed_seen += P.decode_report(raw) is not None
         st_a, resp_a = await a.raw("reportEvent", raw)
-        st_b, resp_b = await b.raw("reportEvent", msgspec.json.encode(_camel(body)))
+        st_b, resp_b = await b.raw("reportEvent", msgspec.json.encode(P.camel(body)))
         assert st_a == st_b
         for resp in (resp_a, resp_b):
             if resp.get("committed_snapshot_version"):
@@ -983,7 +973,7 @@ async def test_a_publisher_batch_of_deletes_removes_only_the_named_specs(api: Ap
     assert code(await api("registerInstance", REG)) == "OK"
     spellings: list[tuple[str, Callable[[Any], Any]]] = [
         (HOST, lambda b: b),
-        ("10.0.0.2:8000", _camel),
+        ("10.0.0.2:8000", P.camel),
     ]
     for host, spell in spellings:
         body = {
