@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 from sidecar.kvcm_client.client import Result
 from sidecar.publisher import Publisher, State
 from sidecar.shm_ring import layout as L
+from sidecar.source.ring import RingSource
 
 # name -> (type, help). Counters are listed without the _total suffix, as Prometheus families.
 METRICS: dict[str, tuple[str, str]] = {
@@ -108,7 +109,6 @@ class _PublisherCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         p = self.p
-        hdr = p.sync.reader.seg.hdr
 
         def gauge(name: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, METRICS[name][1], value=value)
@@ -131,15 +131,20 @@ class _PublisherCollector(Collector):
         for s in State:
             changes.add_metric([s.name], p.state_changes.get(s.name, 0))
         yield changes
-        yield gauge("kvcm_sidecar_ring_capacity_slots", p.sync.reader.capacity)
-        yield gauge("kvcm_sidecar_ring_lag_records", p.sync.reader.lag())
-        yield counter("kvcm_sidecar_ring_accepted_records", int(hdr[L.W_TAIL]))
-        yield counter("kvcm_sidecar_ring_dropped_records", int(hdr[L.W_DROPPED]))
-        yield counter("kvcm_sidecar_records_read", p.sync.reader.records_read)
+        src = p.source
+        if isinstance(src, RingSource):
+            reader = src.reader
+            hdr = reader.seg.hdr
+            yield gauge("kvcm_sidecar_ring_capacity_slots", reader.capacity)
+            yield gauge("kvcm_sidecar_ring_lag_records", reader.lag())
+            yield counter("kvcm_sidecar_ring_accepted_records", int(hdr[L.W_TAIL]))
+            yield counter("kvcm_sidecar_ring_dropped_records", int(hdr[L.W_DROPPED]))
+            yield counter("kvcm_sidecar_records_read", reader.records_read)
+            yield counter("kvcm_sidecar_engine_anomalies", src.sync.anomalies)
         resyncs = CounterMetricFamily(
             "kvcm_sidecar_resyncs", METRICS["kvcm_sidecar_resyncs"][1], labels=["reason"]
         )
-        for reason, n in sorted(p.sync.resyncs.items()):
+        for reason, n in sorted(src.resyncs.items()):
             resyncs.add_metric([reason], n)
         yield resyncs
         yield gauge("kvcm_sidecar_keys_published", p.keys.published_count)
@@ -168,9 +173,8 @@ class _PublisherCollector(Collector):
             p.last_success.get("snapshot", 0.0),
         )
         yield counter("kvcm_sidecar_delta_keys", p.counters["delta_keys"])
-        alive = p.sync.boot_id != 0 and not p.engine_down
+        alive = src.incarnation != 0 and not p.engine_down
         yield gauge("kvcm_sidecar_engine_up", 1.0 if alive else 0.0)
         yield counter(
-            "kvcm_sidecar_engine_incarnation_changes", p.sync.resyncs.get("new_incarnation", 0)
+            "kvcm_sidecar_engine_incarnation_changes", src.resyncs.get("new_incarnation", 0)
         )
-        yield counter("kvcm_sidecar_engine_anomalies", p.sync.anomalies)

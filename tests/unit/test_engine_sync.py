@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from sidecar.engine_sync import EngineSync, Sync
 from sidecar.key_state import KeyState
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.reader import RingReader
 from sidecar.shm_ring.segment import Segment
 from sidecar.shm_ring.writer import RingWriter
+from sidecar.source.engine_sync import EngineSync, Sync
 
 
 def test_engine_sync_unanswered_snapshot_backlog_is_bounded(ring_name: str) -> None:
