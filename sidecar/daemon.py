@@ -1,8 +1,10 @@
-"""The daemon's lifecycle: locks, ring, one TaskGroup owning every loop, shutdown with a deadline.
+"""The daemon's lifecycle: locks, source, one TaskGroup owning every loop, shutdown with a deadline.
 
 Imports: stdlib, aiohttp, everything in `sidecar` except engine_hook's hook. Loops are thin; the
-work is in Publisher and source steps (the source, ring or ZMQ, runs its own feed loop). A crash in one loop cancels the rest and propagates (the
-CLI exits non-zero so systemd/k8s restart the process). The stop event (set by the CLI's signal
+work is in Publisher and source steps (the source, ring or ZMQ, runs its own feed loop). A crash
+in one loop cancels the rest and propagates (the CLI exits non-zero so systemd/k8s restart the
+process). The stop event (set by the CLI's signal
+handlers) ends the group; then the final drain, flush and HOST_DOWN run under the grace timeout. non-zero so systemd/k8s restart the process). The stop event (set by the CLI's signal
 handlers) ends the group; then the final drain, flush and HOST_DOWN run under the grace timeout.
 """
 
