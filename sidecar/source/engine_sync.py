@@ -120,7 +120,7 @@ class EngineSync:
         if not len(records):
             return records
         meta = records[:, L.C_META]
-        med = (meta >> np.uint64(16)) & np.uint64(0xFF)
+        med = (meta >> np.uint64(16)) & np.uint64(0xFF)  # layout.meta_medium, vectorised
         bad = (med >= np.uint64(self.n_mediums)) & ((meta & np.uint64(0xFF)) != L.KIND_CLEARED)
         if not bad.any():
             return records
@@ -143,15 +143,13 @@ class EngineSync:
         if snap.boot_id != self.boot_id:
             self.request("snapshot_incarnation_mismatch")
             return
-        mediums = getattr(snap, "mediums", None)
-        if mediums is not None and len(mediums):
-            known = mediums < self.n_mediums
-            if not known.all():
-                self.unknown_medium += int((~known).sum())
-                log.warning("snapshot entries dropped reason=unknown_medium")
-            self.keys.replace(snap.keys[known], snap.masks[known], mediums[known])
+        known = snap.mediums < self.n_mediums
+        if not known.all():
+            self.unknown_medium += int((~known).sum())
+            log.warning("snapshot entries dropped reason=unknown_medium")
+            self.keys.replace(snap.keys[known], snap.masks[known], snap.mediums[known])
         else:
-            self.keys.replace(snap.keys, snap.masks)
+            self.keys.replace(snap.keys, snap.masks, snap.mediums)
         for recs in self._buffer:
             if len(recs):
                 self.keys.apply(self._known(recs[recs[:, L.C_SEQ] > snap.seq]))

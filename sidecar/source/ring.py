@@ -31,12 +31,6 @@ from sidecar.source.engine_sync import EngineSync, Sync
 log = logging.getLogger(__name__)
 
 
-def medium_table(d: Descriptor) -> tuple[str, ...]:
-    """Index 0 is the descriptor's default medium; then its other mediums, in order."""
-    extra = getattr(d, "mediums", ())
-    return (d.medium, *[m for m in extra if m != d.medium])
-
-
 class RingSource:
     kind = "ring"
 
@@ -109,7 +103,7 @@ class RingSource:
                 f"{d.dp_rank}, this sidecar is {ident.instance_id!r} "
                 f"dp_rank {ident.dp_rank}"
             )
-        mediums = medium_table(d)
+        mediums = d.medium_table()
         self._identity = Identity(
             instance_id=d.instance_id,
             dp_rank=d.dp_rank,
