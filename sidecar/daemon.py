@@ -1,11 +1,10 @@
 """The daemon's lifecycle: locks, source, one TaskGroup owning every loop, shutdown with a deadline.
 
 Imports: stdlib, aiohttp, everything in `sidecar` except engine_hook's hook. Loops are thin; the
-work is in Publisher and source steps (the source, ring or ZMQ, runs its own feed loop). A crash
-in one loop cancels the rest and propagates (the CLI exits non-zero so systemd/k8s restart the
-process). The stop event (set by the CLI's signal
-handlers) ends the group; then the final drain, flush and HOST_DOWN run under the grace timeout. non-zero so systemd/k8s restart the process). The stop event (set by the CLI's signal
-handlers) ends the group; then the final drain, flush and HOST_DOWN run under the grace timeout.
+work is in Publisher and source steps (the source, ring or ZMQ, brings its own feed loops). A
+crash in one loop cancels the rest and propagates (the CLI exits non-zero so systemd/k8s restart
+the process). The stop event (set by the CLI's signal handlers) ends the group; then the final
+drain, flush and HOST_DOWN run under the grace timeout.
 """
 
 from __future__ import annotations
@@ -167,7 +166,8 @@ class Daemon:
             try:
                 try:
                     async with asyncio.TaskGroup() as tg:
-                        tg.create_task(source.run(self.work), name="source")
+                        for name, loop in source.loops(self.work).items():
+                            tg.create_task(loop, name=name)  # type: ignore[arg-type]
                         tg.create_task(self._report_loop(p), name="report")
                         tg.create_task(self._heartbeat_loop(p), name="heartbeat")
                         tg.create_task(self._watch_loop(p), name="engine-watch")

@@ -104,8 +104,9 @@ class Source(Protocol):
         engine: KVCM must get an authoritative snapshot (forget the replica's keys)."""
         ...
 
-    async def run(self, work: asyncio.Event) -> None:
-        """Feed the key state until cancelled; set `work` when it changed."""
+    def loops(self, work: asyncio.Event) -> dict[str, Awaitable[None]]:
+        """The source's long-lived loops (named), run in the daemon's TaskGroup: they feed the
+        key state until cancelled and set `work` when it changed."""
         ...
 
     async def final_drain(self) -> None:

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import posix_ipc
@@ -162,6 +162,9 @@ class RingSource:
         }
 
     # ---- the drain loop --------------------------------------------------------------------
+    def loops(self, work: asyncio.Event) -> dict[str, Awaitable[None]]:
+        return {"drain": self.run(work)}
+
     async def run(self, work: asyncio.Event) -> None:
         # Idle polls cost two 8-byte loads; a full step (which also notices a new engine
         # incarnation that has not written yet) runs at least every engine watch interval.
