@@ -91,8 +91,11 @@ class Stream:
         self.replay: _Replay | None = None
         self.want_replay: int | None = None  # a request the socket side must send
         self.forget_pending = False
+        self.discard_ends = 0  # end markers of replies given up on, still to come
         self.incarnation = secrets.randbits(63) | 1
         self._pend: list[Blocks] = []
+        self._replayed: dict[int, bytes] = {}  # seq -> digest of batches applied from a replay
+        self._replayed_top = -1
         # counters (exported by sidecar/metrics)
         self.batches: Counter[str] = Counter()  # applied, duplicate, dp_rank, malformed
         self.events: Counter[tuple[str, str]] = Counter()  # (type, engine medium)
@@ -144,6 +147,14 @@ class Stream:
                 r.live.append((seq, payload))
                 return
         exp = self.expected
+        if self._replayed:
+            # Live copies of batches a replay already applied may still be in flight (the PUB
+            # socket lags the ROUTER): the same seq with the same payload is one of those.
+            if seq in self._replayed and self._replayed[seq] == digest(payload):
+                self.batches["duplicate"] += 1
+                return
+            if seq >= self._replayed_top:
+                self._replayed.clear()
         if exp is None or seq == exp:
             self._apply(seq, payload, replayed=False)
         elif seq > exp:
@@ -162,26 +173,47 @@ class Stream:
                 self._apply(seq, payload, replayed=False)
         else:
             self.restarts += 1
+            self._replayed.clear()
             self.forget(F_RESTART, f"seq went back from {exp - 1} to {seq}")
             self.incarnation = secrets.randbits(63) | 1
             self.last_payload = self.last_digest = None
             self.last_seq = -1
-            self._apply(seq, payload, replayed=False)
+            self.expected = None
+            if seq and self.can_replay:  # the new life's first batches went by: ask for them
+                self._ask(0, None, "restart")
+                assert self.replay is not None
+                self.replay.live.append((seq, payload))
+            else:
+                self._apply(seq, payload, replayed=False)
 
     def on_replayed(self, seq: int, payload: bytes) -> None:
         r = self.replay
         if r is None:
             return  # a late reply to a request given up on
+        if self.discard_ends:
+            return  # the rest of a reply given up on (its end marker is still to come)
         r.replies += 1
         if r.proof is not None and not r.proven:
             if seq == r.start and digest(payload) == r.proof:
                 r.proven = True
                 r.next = seq + 1
                 return
-            why = F_RESTART if seq == r.start else F_UNCOVERED
-            if r.why == "checkpoint" and seq == r.start:
-                why = F_CHECKPOINT
-            self._uncovered(why, f"replay from {r.start} began at {seq}, not the batch applied")
+            if seq == r.start:
+                # Another batch under that seq: another engine life. All of it may still be
+                # in the engine's buffer: forget, then ask for it from 0.
+                self.restarts += 1
+                why = F_CHECKPOINT if r.why == "checkpoint" else F_RESTART
+                self.forget(why, f"the batch at seq {seq} differs from the one applied")
+                self.incarnation = secrets.randbits(63) | 1
+                self.last_seq, self.last_payload, self.last_digest = -1, None, None
+                self.expected = None
+                self.replays["restart"] += 1
+                self.discard_ends += 1
+                self._ask(0, None, "restart")
+                assert self.replay is not None
+                self.replay.live = r.live
+                return
+            self._uncovered(F_UNCOVERED, f"replay from {r.start} began at {seq}")
             r.proof = None
             r.next = seq
         if r.next < 0:
@@ -194,9 +226,14 @@ class Stream:
         if seq > r.next:
             self._uncovered(F_UNCOVERED, f"replay skipped {r.next}..{seq - 1}")
         r.next = seq + 1
+        self._replayed[seq] = digest(payload)
+        self._replayed_top = max(self._replayed_top, seq)
         self._apply(seq, payload, replayed=True)
 
     def on_replay_end(self) -> None:
+        if self.discard_ends:
+            self.discard_ends -= 1
+            return
         r = self.replay
         if r is None:
             return
@@ -214,6 +251,7 @@ class Stream:
         if r is None or self.clock() < r.deadline:
             return False
         self.replays["timeout"] += 1
+        self.discard_ends = 0  # the socket side opens a fresh DEALER: nothing stale arrives
         self.forget(F_TIMEOUT, f"no replay from {r.start} within {self.replay_timeout_s}s")
         self.expected = None
         self.replay = None
