@@ -8,7 +8,8 @@ docs/operations.md and a test check against the registry.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import Counter as Tally
+from collections.abc import Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -18,6 +19,7 @@ from sidecar.kvcm_client.client import Result
 from sidecar.publisher import Publisher, State
 from sidecar.shm_ring import layout as L
 from sidecar.source.ring import RingSource
+from sidecar.source.zmq import ZmqSource
 
 # name -> (type, help). Counters are listed without the _total suffix, as Prometheus families.
 METRICS: dict[str, tuple[str, str]] = {
@@ -54,7 +56,60 @@ METRICS: dict[str, tuple[str, str]] = {
         "New engine incarnations seen on the ring (engine restarts).",
     ),
     "kvcm_sidecar_engine_anomalies": ("counter", "Ring records rejected as torn or foreign."),
+    "kvcm_sidecar_zmq_batches": (
+        "counter",
+        "ZMQ event batches by outcome (applied, replayed, duplicate, dp_rank, malformed).",
+    ),
+    "kvcm_sidecar_zmq_events": ("counter", "ZMQ events applied, by type and KVCM medium."),
+    "kvcm_sidecar_zmq_block_events": ("counter", "Block hashes in the ZMQ events applied."),
+    "kvcm_sidecar_zmq_dropped_events": (
+        "counter",
+        "ZMQ events dropped, by reason (block_size, unknown_medium, unknown_event, ...).",
+    ),
+    "kvcm_sidecar_zmq_decode_errors": (
+        "counter",
+        "ZMQ frames or payloads that could not be read, by reason.",
+    ),
+    "kvcm_sidecar_zmq_gaps": ("counter", "ZMQ seq gaps (and damaged batches) seen live."),
+    "kvcm_sidecar_zmq_replays": (
+        "counter",
+        "ZMQ replays finished, by outcome (covered, uncovered, timeout, restart).",
+    ),
+    "kvcm_sidecar_zmq_forgets": (
+        "counter",
+        "Times the ZMQ source emptied its key state and made KVCM forget it, by reason.",
+    ),
+    "kvcm_sidecar_zmq_last_seq": ("gauge", "The last ZMQ batch seq applied (-1: none)."),
+    "kvcm_sidecar_zmq_seq_lag_batches": (
+        "gauge",
+        "ZMQ batches seen beyond the last one applied (waiting for a replay).",
+    ),
+    "kvcm_sidecar_zmq_held_blocks": (
+        "gauge",
+        "(key, medium, group)s with a positive store count.",
+    ),
+    "kvcm_sidecar_zmq_checkpoint_age_seconds": (
+        "gauge",
+        "Seconds since the checkpoint last matched the key state (-1: none yet).",
+    ),
+    "kvcm_sidecar_zmq_checkpoint_errors": (
+        "counter",
+        "Checkpoints not written or not loaded, by reason.",
+    ),
+    "kvcm_sidecar_zmq_health_failures": ("gauge", "Consecutive failed engine health probes."),
 }
+# Exported only with that source (source.kind); the rest always.
+RING_ONLY = frozenset(
+    {
+        "kvcm_sidecar_ring_capacity_slots",
+        "kvcm_sidecar_ring_lag_records",
+        "kvcm_sidecar_ring_accepted_records",
+        "kvcm_sidecar_ring_dropped_records",
+        "kvcm_sidecar_records_read",
+        "kvcm_sidecar_engine_anomalies",
+    }
+)
+ZMQ_ONLY = frozenset(name for name in METRICS if name.startswith("kvcm_sidecar_zmq_"))
 
 OUTCOMES = ("ok", "retry", "resnapshot", "reregister", "circuit_open")
 
@@ -141,6 +196,8 @@ class _PublisherCollector(Collector):
             yield counter("kvcm_sidecar_ring_dropped_records", int(hdr[L.W_DROPPED]))
             yield counter("kvcm_sidecar_records_read", reader.records_read)
             yield counter("kvcm_sidecar_engine_anomalies", src.sync.anomalies)
+        elif isinstance(src, ZmqSource):
+            yield from _zmq_families(src)
         resyncs = CounterMetricFamily(
             "kvcm_sidecar_resyncs", METRICS["kvcm_sidecar_resyncs"][1], labels=["reason"]
         )
@@ -178,3 +235,45 @@ class _PublisherCollector(Collector):
         yield counter(
             "kvcm_sidecar_engine_incarnation_changes", src.resyncs.get("new_incarnation", 0)
         )
+
+
+def _labelled(
+    name: str, labels: list[str], rows: Iterable[tuple[tuple[str, ...], float]]
+) -> CounterMetricFamily:
+    fam = CounterMetricFamily(name, METRICS[name][1], labels=labels)
+    for values, n in sorted(rows):
+        fam.add_metric(list(values), n)
+    return fam
+
+
+def _by(name: str, label: str, counts: Mapping[str, int]) -> CounterMetricFamily:
+    return _labelled(name, [label], [((k,), n) for k, n in counts.items()])
+
+
+def _zmq_families(src: ZmqSource) -> Iterator[Metric]:
+    s = src.stream
+    kvcm = src.medium_names_by_engine()
+
+    def gauge(name: str, value: float) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, METRICS[name][1], value=value)
+
+    def counter(name: str, value: float) -> CounterMetricFamily:
+        return CounterMetricFamily(name, METRICS[name][1], value=value)
+
+    yield _by("kvcm_sidecar_zmq_batches", "outcome", s.batches)
+    events: Tally[tuple[str, str]] = Tally()
+    for (typ, medium), n in s.events.items():
+        events[(typ, kvcm.get(medium, "unknown") if typ != "AllBlocksCleared" else "all")] += n
+    yield _labelled("kvcm_sidecar_zmq_events", ["type", "medium"], events.items())
+    yield counter("kvcm_sidecar_zmq_block_events", s.blocks)
+    yield _by("kvcm_sidecar_zmq_dropped_events", "reason", s.drops)
+    yield _by("kvcm_sidecar_zmq_decode_errors", "reason", s.decode_errors)
+    yield counter("kvcm_sidecar_zmq_gaps", s.gaps)
+    yield _by("kvcm_sidecar_zmq_replays", "outcome", s.replays)
+    yield _by("kvcm_sidecar_zmq_forgets", "reason", s.forgets)
+    yield gauge("kvcm_sidecar_zmq_last_seq", s.last_seq)
+    yield gauge("kvcm_sidecar_zmq_seq_lag_batches", src.lag())
+    yield gauge("kvcm_sidecar_zmq_held_blocks", src.counts.held())
+    yield gauge("kvcm_sidecar_zmq_checkpoint_age_seconds", src.checkpoint_age_s())
+    yield _by("kvcm_sidecar_zmq_checkpoint_errors", "reason", src.ckpt_errors)
+    yield gauge("kvcm_sidecar_zmq_health_failures", src.health_failures)

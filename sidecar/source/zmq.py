@@ -501,6 +501,10 @@ class ZmqSource:
             return WatchResult(Watch.BACK, "healthy again", self.stream.incarnation)
         return WatchResult()
 
+    def medium_names_by_engine(self) -> dict[str, str]:
+        """Engine medium name -> KVCM medium (for metric labels: bounded by the map)."""
+        return medium_map(self.z.medium_map)
+
     def checkpoint_age_s(self) -> float:
         return self.clock() - self.ckpt_at if self.ckpt_at else -1.0
 

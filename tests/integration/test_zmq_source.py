@@ -167,3 +167,155 @@ async def test_zmq_source_uncovered_gap_forgets_and_rebuilds(z: ZmqHarness) -> N
     assert seen <= z.truth()  # nothing the engine dropped stays visible
     assert not {(k, "hbm") for k in first["keys"][:10]} & seen
     assert st["zmq_gaps"] >= 1
+
+
+async def test_zmq_source_engine_restart_with_seq_reset_forgets(z: ZmqHarness) -> None:
+    pub = z.start_engine()
+    z.start_sidecar()
+    z.workload(1000)
+    await z.converge()
+    pub.call("restart")  # seq back to 0, empty cache, empty replay buffer
+    z.workload(500, seed=3)
+    await z.converge()
+    st = await z.settle(lambda s: _forgets(s).get("engine_restart", 0) >= 1)
+    assert st["state"] in ("READY", "RESYNCING")
+
+
+async def test_zmq_source_all_blocks_cleared_forgets(z: ZmqHarness) -> None:
+    pub = z.start_engine()
+    z.start_sidecar()
+    z.workload(1000)
+    await z.converge()
+    pub.call("clear", step=True)
+    pub.call("store", n=7, medium="CPU", step=True)
+    seen = await z.converge()
+    assert len(seen) == 7
+    await z.settle(lambda s: _forgets(s).get("all_blocks_cleared", 0) >= 1)
+
+
+async def test_zmq_source_dp_rank_and_block_size_mismatches_are_dropped(z: ZmqHarness) -> None:
+    pub = z.start_engine()
+    z.start_sidecar()
+    pub.call("store", n=5, medium="GPU", step=False)
+    pub.call("step", dp_rank=3)  # another rank's batch on our socket: none of it is ours
+    pub.call("store", n=4, medium="GPU", block_size=32, step=True)  # not our block size
+    pub.call("store", n=3, medium="GPU", step=True)
+    seen = await z.converge()
+    assert len(seen) == 3
+    st = await z.settle(lambda s: s["zmq_drops"].get("block_size", 0) >= 1)
+    assert _forgets(st) == {}
+    text = await z.h.metrics()
+    assert 'kvcm_sidecar_zmq_batches_total{outcome="dp_rank"} 1.0' in text
+
+
+async def test_zmq_source_malformed_frames_and_payloads_never_stop_it(z: ZmqHarness) -> None:
+    pub = z.start_engine(flavour="vllm", encoding="positional")
+    z.start_sidecar()
+    z.workload(500)
+    for n, kind in enumerate(("frame_count", "seq_bytes", "not_msgpack", "shape", "unknown_event")):
+        pub.call("malformed", kind=kind)  # payload kinds: replay gives a good copy
+        z.workload(100, seed=n)
+        await z.converge()
+    st = await z.settle(
+        lambda s: (
+            s["zmq_decode_errors"].get("frame_shape", 0) == 2
+            and s["zmq_decode_errors"].get("not_msgpack", 0) == 2
+            and s["zmq_drops"].get("unknown_event", 0) == 1
+        )
+    )
+    assert _forgets(st) == {}  # every damaged batch was fetched again
+    pub.call("malformed", kind="field_types", replay_as="same")  # damaged in the buffer too
+    later = pub.call("store", n=4, medium="CPU", step=True)["keys"]
+    await z.settle(lambda s: _forgets(s).get("malformed_replay", 0) >= 1)
+    deadline = time.monotonic() + 20
+    while not {(k, "mem") for k in later} <= (seen := await z.visible()):
+        assert time.monotonic() < deadline, f"stored-after-forget keys never arrived: {seen}"
+        await asyncio.sleep(0.02)  # polling another process's state, bounded by deadline
+    assert seen <= z.truth()  # the lost batch's changes: forgotten, not guessed
+    assert z.h.sidecar is not None and z.h.sidecar.p.poll() is None
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+async def test_zmq_source_sidecar_sigkill_restart_replays_without_forgetting(
+    z: ZmqHarness, checkpoint: bool
+) -> None:
+    """With a checkpoint: replay from its seq proves continuity; without: replay from 0."""
+    z.start_engine()
+    side = z.start_sidecar()
+    z.workload(1500)
+    await z.converge()
+    if checkpoint:
+        await z.settle(lambda s: 0 <= s["checkpoint_age_s"] < 1 and s["last_seq"] > 0)
+    side.kill()  # SIGKILL: no shutdown checkpoint, no HOST_DOWN
+    if not checkpoint:
+        for f in z.state_dir.glob("*"):
+            f.unlink()
+    z.workload(700, seed=4)  # the engine goes on while the sidecar is down
+    z.start_sidecar()
+    await z.converge()
+    st = await z.settle(lambda s: s["state"] == "READY")
+    assert _forgets(st) == {}
+    assert st["zmq_replays"].get("covered", 0) >= 1
+
+
+async def test_zmq_source_engine_restarted_while_sidecar_down_is_caught(z: ZmqHarness) -> None:
+    """The checkpoint's seq exists in the new life too: its digest differs, so forget."""
+    pub = z.start_engine()
+    side = z.start_sidecar()
+    z.workload(600)
+    await z.converge()
+    await z.settle(lambda s: 0 <= s["checkpoint_age_s"] < 1 and s["last_seq"] > 0)
+    last = (await z.h.status())["last_seq"]
+    side.kill()
+    pub.call("restart")
+    while pub.call("stats")["next_seq"] <= last + 3:  # the new life passes the checkpoint seq
+        z.workload(200, seed=pub.call("stats")["next_seq"])
+    z.start_sidecar()
+    await z.converge()  # the whole new life was still in the buffer: exact again
+    st = await z.settle(lambda s: _forgets(s).get("checkpoint_unproven", 0) >= 1)
+    assert st["zmq_replays"].get("restart", 0) >= 1
+
+
+async def test_zmq_source_health_failing_is_engine_down_then_recovers(z: ZmqHarness) -> None:
+    pub = z.start_engine(health=True)
+    z.start_sidecar()
+    z.workload(500)
+    await z.converge()
+    pub.call("health", ok=False)
+    await z.settle(lambda s: s["state"] == "ENGINE_DOWN")
+    await z.h.reporter_until(lambda r: not r["visible"])  # HOST_DOWN: KVCM hides our keys
+    pub.call("health", ok=True)
+    z.workload(200, seed=5)
+    await z.converge()
+    st = await z.settle(lambda s: s["state"] == "READY")
+    assert _forgets(st) == {}  # the same engine life: the replay proved it
+
+
+async def test_zmq_source_without_replay_endpoint_forgets_on_a_gap(z: ZmqHarness) -> None:
+    pub = z.start_engine(replay_endpoint=None)
+    z.start_sidecar()
+    first = pub.call("store", n=10, medium="GPU", step=True)
+    await z.converge()
+    pub.call("gap", batches=1)
+    pub.call("remove", hashes=first["hashes"], medium="GPU", step=True)
+    pub.call("store", n=3, medium="GPU", step=True)
+    await z.converge()
+    st = await z.settle(lambda s: _forgets(s).get("no_replay_endpoint", 0) >= 1)
+    assert st["zmq_gaps"] >= 1
+
+
+async def test_zmq_source_metrics_every_documented_metric_exported(z: ZmqHarness) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sidecar.metrics.registry import METRICS, RING_ONLY
+
+    z.start_engine()
+    z.start_sidecar()
+    z.workload(300)
+    await z.converge()
+    families = {f.name: f.type for f in text_string_to_metric_families(await z.h.metrics())}
+    for name, (kind, _help) in METRICS.items():
+        if name not in RING_ONLY:
+            assert families.get(name) == kind, (name, families.get(name))
+    text = await z.h.metrics()
+    assert 'kvcm_sidecar_zmq_events_total{medium="mem",type="BlockStored"}' in text
