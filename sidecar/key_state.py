@@ -166,7 +166,9 @@ class _Tier:
 
     def apply_bits(self, ukeys: np.ndarray, set_m: np.ndarray, clr_m: np.ndarray) -> None:
         """Distinct keys: clear then set these group bits."""
-        pos = self.find(ukeys, insert=True)
+        self.apply_bits_at(self.find(ukeys, insert=True), set_m, clr_m)
+
+    def apply_bits_at(self, pos: np.ndarray, set_m: np.ndarray, clr_m: np.ndarray) -> None:
         old = self.masks[pos]
         new = (old & ~clr_m) | set_m
         self.masks[pos] = new
@@ -368,6 +370,18 @@ class KeyState:
         """Distinct int64 keys of one medium: clear `clr_m`, then set `set_m` group bits."""
         if len(ukeys):
             self._tier(medium).apply_bits(ukeys, set_m, clr_m)
+
+    def table(self, medium: int) -> KeyTable:
+        """The key table of one medium (the ZMQ source keeps its store counts in it as extra
+        columns, so one lookup serves both)."""
+        return self._tier(medium).t
+
+    def apply_bits_at(
+        self, medium: int, pos: np.ndarray, set_m: np.ndarray, clr_m: np.ndarray
+    ) -> None:
+        """As apply_bits, for distinct positions already found in `table(medium)`."""
+        if len(pos):
+            self._tier(medium).apply_bits_at(pos, set_m, clr_m)
 
     def clear_current(self) -> None:
         """The engine's cache is empty (a clear, a new engine incarnation, a forget)."""

@@ -261,12 +261,15 @@ def _zmq_families(src: ZmqSource) -> Iterator[Metric]:
         return CounterMetricFamily(name, METRICS[name][1], value=value)
 
     yield _by("kvcm_sidecar_zmq_batches", "outcome", s.batches)
+    dec = s.decoder
     events: Tally[tuple[str, str]] = Tally()
-    for (typ, medium), n in s.events.items():
-        events[(typ, kvcm.get(medium, "unknown") if typ != "AllBlocksCleared" else "all")] += n
+    for typ, by_medium in (("BlockStored", dec.stored), ("BlockRemoved", dec.removed)):
+        for medium, n in by_medium.items():
+            events[(typ, kvcm.get(medium, "unknown"))] += n  # bounded: the map's values
+    events[("AllBlocksCleared", "all")] += dec.cleared
     yield _labelled("kvcm_sidecar_zmq_events", ["type", "medium"], events.items())
-    yield counter("kvcm_sidecar_zmq_block_events", s.blocks)
-    yield _by("kvcm_sidecar_zmq_dropped_events", "reason", s.drops)
+    yield counter("kvcm_sidecar_zmq_block_events", dec.blocks)
+    yield _by("kvcm_sidecar_zmq_dropped_events", "reason", dec.drops)
     yield _by("kvcm_sidecar_zmq_decode_errors", "reason", s.decode_errors)
     yield counter("kvcm_sidecar_zmq_gaps", s.gaps)
     yield _by("kvcm_sidecar_zmq_replays", "outcome", s.replays)

@@ -1,11 +1,12 @@
 """Store counts per (key, medium, group): vLLM stores equal hashes once per physical block.
 
-Imports: numpy, sidecar.shm_ring (KeyTable), key_state. A key is held in a (medium, group) while
-its count is positive; a remove of a count at 0 changes nothing (the count never goes negative:
-after a forget the sidecar sees removes of blocks stored before it). Folding a batch is
+Imports: numpy, key_state. A key is held in a (medium, group) while its count is positive; a
+remove of a count at 0 changes nothing (the count never goes negative: after a forget the
+sidecar sees removes of blocks stored before it). The counts are extra columns (`count<g>`) of
+the key state's per-medium tables, so one hash lookup per key serves both. Folding a batch is
 vectorised: per (key, medium, group), in arrival order, the clamped walk c <- max(0, c + d) ends
-at P - min(-c0, min_k P_k) (P_k the prefix sums of d); only keys whose held state flips reach the
-key state, as group bits to set or clear.
+at P - min(-c0, min_k P_k) (P_k the prefix sums of d); only keys whose held state flips change
+the key state, as group bits to set or clear.
 """
 
 from __future__ import annotations
@@ -13,62 +14,66 @@ from __future__ import annotations
 import numpy as np
 
 from sidecar.key_state import KeyState
-from sidecar.shm_ring.key_table import KeyTable
 
-_MIN_CAP = 1 << 14
+
+def _col(group: int) -> str:
+    return f"count{group}"
 
 
 class BlockCounts:
     def __init__(self, keys: KeyState) -> None:
         self.keys = keys
-        self.tables: dict[tuple[int, int], KeyTable] = {}  # (medium, group) -> counts
+        self.places: set[tuple[int, int]] = set()  # (medium, group) that ever had a count
 
-    def _table(self, medium: int, group: int) -> KeyTable:
-        t = self.tables.get((medium, group))
-        if t is None:
-            t = self.tables[(medium, group)] = KeyTable(
-                {"count": np.int64}, live=("count",), min_capacity=_MIN_CAP
-            )
-        return t
+    def _counts(self, medium: int, group: int) -> np.ndarray:
+        t = self.keys.table(medium)
+        name = _col(group)
+        if name not in t.cols:
+            t.add_column(name, np.int64)
+        self.places.add((medium, group))
+        return t.cols[name]
+
+    def _positive(self, medium: int, group: int) -> tuple[np.ndarray, np.ndarray]:
+        t = self.keys.table(medium)
+        c = t.cols[_col(group)][: t.n]
+        pos = np.flatnonzero(c > 0)
+        return t.keys[pos], c[pos]
 
     def held(self) -> int:
         """(key, medium, group)s with a positive count."""
-        return sum(int((t.cols["count"][: t.n] > 0).sum()) for t in self.tables.values())
+        return sum(len(self._positive(m, g)[0]) for m, g in self.places)
 
     def counts(self) -> dict[tuple[int, int, int], int]:
         """(key, medium, group) -> count of every positive count (tests, checkpoints)."""
         out: dict[tuple[int, int, int], int] = {}
-        for (m, g), t in self.tables.items():
-            c = t.cols["count"][: t.n]
-            pos = np.flatnonzero(c > 0)
-            for k, n in zip(t.keys[pos].tolist(), c[pos].tolist(), strict=True):
+        for m, g in sorted(self.places):
+            keys, c = self._positive(m, g)
+            for k, n in zip(keys.tolist(), c.tolist(), strict=True):
                 out[(k, m, g)] = n
         return out
 
     def arrays(self) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
-        """(medium, group, keys, counts) of the positive counts, per table (checkpoints)."""
-        out = []
-        for (m, g), t in sorted(self.tables.items()):
-            c = t.cols["count"][: t.n]
-            pos = np.flatnonzero(c > 0)
-            out.append((m, g, t.keys[pos].copy(), c[pos].copy()))
-        return out
+        """(medium, group, keys, counts) of the positive counts, per (medium, group)."""
+        return [(m, g, *self._positive(m, g)) for m, g in sorted(self.places)]
 
     def clear(self) -> None:
         """Every count to 0 (AllBlocksCleared, a forget); the key state empties too."""
-        self.tables = {}
+        for m, g in self.places:
+            t = self.keys.table(m)
+            t.cols[_col(g)][: t.n] = 0
         self.keys.clear_current()
 
     def load(self, medium: int, group: int, keys: np.ndarray, counts: np.ndarray) -> None:
         """Add distinct keys with positive counts (a checkpoint being restored)."""
-        t = self._table(medium, group)
+        self._counts(medium, group)
+        t = self.keys.table(medium)
         pos = t.find(keys, True)
-        old = t.cols["count"][pos]
-        new = old + counts
-        t.cols["count"][pos] = new
-        flip = (old <= 0) & (new > 0)
+        col = t.cols[_col(group)]
+        old = col[pos]
+        col[pos] = old + counts
+        flip = (old <= 0) & (old + counts > 0)
         bits = np.full(int(flip.sum()), 1 << group, np.int64)
-        self.keys.apply_bits(medium, keys[flip], bits, np.zeros_like(bits))
+        self.keys.apply_bits_at(medium, pos[flip], bits, np.zeros_like(bits))
 
     def apply(
         self, keys: np.ndarray, mediums: np.ndarray, groups: np.ndarray, signs: np.ndarray
@@ -92,23 +97,28 @@ class BlockCounts:
         first[1:] = k[1:] != k[:-1]
         idx = np.flatnonzero(first)
         ukeys = k[idx]
-        csum = np.cumsum(d)
-        before = np.zeros(len(idx), np.int64)  # the running sum just before each key's run
-        before[1:] = csum[idx[1:] - 1]
-        prefix = csum - np.repeat(before, np.diff(np.append(idx, len(k))))
-        total = prefix[np.append(idx[1:], len(k)) - 1]
-        low = np.minimum.reduceat(prefix, idx)
-        t = self._table(medium, group)
+        if len(idx) == len(k):  # no key repeats in this batch: one step each
+            total = low = d
+        else:
+            csum = np.cumsum(d)
+            before = np.zeros(len(idx), np.int64)  # the running sum before each key's run
+            before[1:] = csum[idx[1:] - 1]
+            prefix = csum - np.repeat(before, np.diff(np.append(idx, len(k))))
+            total = prefix[np.append(idx[1:], len(k)) - 1]
+            low = np.minimum.reduceat(prefix, idx)
+        self._counts(medium, group)
+        t = self.keys.table(medium)
         pos = t.find(ukeys, True)
-        c0 = t.cols["count"][pos]
+        col = t.cols[_col(group)]  # after find: an insert may have grown the columns
+        c0 = col[pos]
         c1 = total - np.minimum(-c0, low)
-        t.cols["count"][pos] = c1
+        col[pos] = c1
         was, now = c0 > 0, c1 > 0
         flip = was != now
         if not flip.any():
             return
         bit = np.int64(1 << group)
-        fk, fnow = ukeys[flip], now[flip]
+        fnow = now[flip]
         set_m = np.where(fnow, bit, np.int64(0))
         clr_m = np.where(fnow, np.int64(0), bit)
-        self.keys.apply_bits(medium, fk, set_m, clr_m)
+        self.keys.apply_bits_at(medium, pos[flip], set_m, clr_m)

@@ -20,7 +20,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -30,7 +29,7 @@ from sidecar.source import checkpoint as ckpt
 from sidecar.source.base import Identity, Watch, WatchResult
 from sidecar.source.block_counts import BlockCounts
 from sidecar.source.health import probe
-from sidecar.source.zmq_events import CLEARED, Blocks, EventDecoder
+from sidecar.source.zmq_events import EventDecoder, Segment, to_blocks
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +92,11 @@ class Stream:
         self.forget_pending = False
         self.discard_ends = 0  # end markers of replies given up on, still to come
         self.incarnation = secrets.randbits(63) | 1
-        self._pend: list[Blocks] = []
+        self._pend: list[Segment] = []
         self._replayed: dict[int, bytes] = {}  # seq -> digest of batches applied from a replay
         self._replayed_top = -1
         # counters (exported by sidecar/metrics)
         self.batches: Counter[str] = Counter()  # applied, duplicate, dp_rank, malformed
-        self.events: Counter[tuple[str, str]] = Counter()  # (type, engine medium)
-        self.blocks = 0
-        self.drops: Counter[str] = Counter()  # per-event drop reasons
         self.decode_errors: Counter[str] = Counter()
         self.gaps = 0
         self.replays: Counter[str] = Counter()  # by outcome
@@ -262,17 +258,9 @@ class Stream:
         """Fold what was decoded since the last flush into the counts (and the key state)."""
         if not self._pend:
             return
-        parts, self._pend = self._pend, []
-        if len(parts) == 1:
-            b = parts[0]
-            self.counts.apply(b.keys, b.mediums, b.groups, b.signs)
-        else:
-            self.counts.apply(
-                np.concatenate([b.keys for b in parts]),
-                np.concatenate([b.mediums for b in parts]),
-                np.concatenate([b.groups for b in parts]),
-                np.concatenate([b.signs for b in parts]),
-            )
+        b = to_blocks(self._pend)
+        self._pend = []
+        self.counts.apply(b.keys, b.mediums, b.groups, b.signs)
         self.changed = True
 
     def forget(self, reason: str, detail: str) -> None:
@@ -359,18 +347,15 @@ class Stream:
             log.warning("zmq batch of another dp rank dropped seq=%d dp_rank=%d", seq, d.dp_rank)
             return
         self.batches["replayed" if replayed else "applied"] += 1
-        self.events.update(d.events)
-        self.blocks += d.blocks
-        if d.drops:
-            self.drops.update(d.drops)
-            log.warning("zmq events dropped reasons=%s", dict(d.drops))
+        if self.decoder.dropped_recently:
+            self.decoder.dropped_recently = False
+            log.warning("zmq events dropped totals=%s", self.decoder.drops)
         for part in d.parts:
-            if part == CLEARED:
+            if isinstance(part, Segment):
+                self._pend.append(part)
+            else:  # CLEARED
                 self.flush()
                 self.forget(F_CLEARED, f"AllBlocksCleared in batch {seq}")
-            else:
-                assert isinstance(part, Blocks)
-                self._pend.append(part)
 
 
 def kvcm_mediums(cfg: Config) -> tuple[tuple[str, ...], dict[str, int]]:
@@ -414,7 +399,7 @@ class ZmqSource:
         keys.set_required(self.required)
         self.counts = BlockCounts(keys)
         self.stream = Stream(
-            EventDecoder(index, z.block_size),
+            EventDecoder(index, z.block_size, cfg.identity.dp_rank),
             self.counts,
             dp_rank=cfg.identity.dp_rank,
             can_replay=bool(z.replay_endpoint),
@@ -517,7 +502,7 @@ class ZmqSource:
             "zmq_gaps": s.gaps,
             "zmq_forgets": dict(s.forgets),
             "zmq_replays": dict(s.replays),
-            "zmq_drops": dict(s.drops),
+            "zmq_drops": dict(s.decoder.drops),
             "zmq_decode_errors": dict(s.decode_errors),
             "zmq_held_blocks": self.counts.held(),
             "checkpoint_age_s": round(self.checkpoint_age_s(), 3),

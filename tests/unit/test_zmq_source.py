@@ -97,7 +97,7 @@ def stream(keys: KeyState | None = None, clock: Any = None) -> Stream:
     ks = keys or KeyState((0,))
     kw = {"clock": clock} if clock is not None else {}
     return Stream(
-        EventDecoder(MEDIUM_INDEX, 16),
+        EventDecoder(MEDIUM_INDEX, 16, 0),
         BlockCounts(ks),
         dp_rank=0,
         can_replay=True,
