@@ -7,6 +7,7 @@ Subcommands:
   check-config  print the effective configuration (secrets redacted) or the config error
   status        summarise a running sidecar (or the ring, if it is down); exit 0 if healthy
   demo          the whole system on this machine, with a fault and a consistency check
+                (--source zmq: vLLM-format ZMQ engines instead of the ring)
   kvcm-server   run the KVCM-compatible event-report server (stand-in manager)
 """
 
@@ -82,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--duration", type=float, default=20.0, help="seconds of workload")
     d.add_argument("--ranks", type=int, default=2, help="dp ranks (engine + sidecar each)")
     d.add_argument("--seed", type=int, default=1)
+    d.add_argument(
+        "--source",
+        choices=("ring", "zmq"),
+        default="ring",
+        help="ring: engine_hook engines; zmq: vLLM-format ZMQ KV-event engines (2 ranks)",
+    )
     s = sub.add_parser("kvcm-server", help="run the KVCM-compatible event-report server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--meta-port", type=int, default=6382, help="0 picks a free port")
@@ -201,9 +208,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     import uvloop
 
     if args.command == "demo":
+        logging.basicConfig(level=logging.WARNING)
+        if args.source == "zmq":
+            from sidecar import demo_zmq
+
+            sys.exit(demo_zmq.run(args.duration, args.seed))
         from sidecar import demo
 
-        logging.basicConfig(level=logging.WARNING)
         sys.exit(demo.run(args.duration, args.ranks, args.seed))
     if args.command == "kvcm-server":
         logs.setup()
