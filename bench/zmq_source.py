@@ -101,7 +101,7 @@ def fold(batches: list[bytes]) -> tuple[float, int]:
         if seq % FLUSH_EVERY == FLUSH_EVERY - 1:
             s.flush()
     s.flush()
-    return time.process_time() - t0, s.decoder.blocks
+    return time.process_time() - t0, s.blocks
 
 
 def fold_baseline(batches: list[bytes]) -> float:

@@ -8,7 +8,6 @@ docs/operations.md and a test check against the registry.
 
 from __future__ import annotations
 
-from collections import Counter as Tally
 from collections.abc import Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -252,7 +251,6 @@ def _by(name: str, label: str, counts: Mapping[str, int]) -> CounterMetricFamily
 
 def _zmq_families(src: ZmqSource) -> Iterator[Metric]:
     s = src.stream
-    kvcm = src.medium_names_by_engine()
 
     def gauge(name: str, value: float) -> GaugeMetricFamily:
         return GaugeMetricFamily(name, METRICS[name][1], value=value)
@@ -262,13 +260,12 @@ def _zmq_families(src: ZmqSource) -> Iterator[Metric]:
 
     yield _by("kvcm_sidecar_zmq_batches", "outcome", s.batches)
     dec = s.decoder
-    events: Tally[tuple[str, str]] = Tally()
-    for typ, by_medium in (("BlockStored", dec.stored), ("BlockRemoved", dec.removed)):
-        for medium, n in by_medium.items():
-            events[(typ, kvcm.get(medium, "unknown"))] += n  # bounded: the map's values
-    events[("AllBlocksCleared", "all")] += dec.cleared
-    yield _labelled("kvcm_sidecar_zmq_events", ["type", "medium"], events.items())
-    yield counter("kvcm_sidecar_zmq_block_events", dec.blocks)
+    events: list[tuple[tuple[str, str], float]] = [(("AllBlocksCleared", "all"), dec.cleared)]
+    for mi, medium in enumerate(src.mediums):  # bounded: the medium table
+        events.append((("BlockStored", medium), int(s.events[2 * mi + 1])))
+        events.append((("BlockRemoved", medium), int(s.events[2 * mi])))
+    yield _labelled("kvcm_sidecar_zmq_events", ["type", "medium"], events)
+    yield counter("kvcm_sidecar_zmq_block_events", s.blocks)
     yield _by("kvcm_sidecar_zmq_dropped_events", "reason", dec.drops)
     yield _by("kvcm_sidecar_zmq_decode_errors", "reason", s.decode_errors)
     yield counter("kvcm_sidecar_zmq_gaps", s.gaps)

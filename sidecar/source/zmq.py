@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -97,6 +98,8 @@ class Stream:
         self._replayed_top = -1
         # counters (exported by sidecar/metrics)
         self.batches: Counter[str] = Counter()  # applied, duplicate, dp_rank, malformed
+        self.events = np.zeros(512, np.int64)  # [2 * medium + stored?]: events applied
+        self.blocks = 0  # block hashes applied
         self.decode_errors: Counter[str] = Counter()
         self.gaps = 0
         self.replays: Counter[str] = Counter()  # by outcome
@@ -258,8 +261,10 @@ class Stream:
         """Fold what was decoded since the last flush into the counts (and the key state)."""
         if not self._pend:
             return
-        b = to_blocks(self._pend)
+        b, events = to_blocks(self._pend)
         self._pend = []
+        self.events += events
+        self.blocks += len(b.keys)
         self.counts.apply(b.keys, b.mediums, b.groups, b.signs)
         self.changed = True
 
@@ -485,10 +490,6 @@ class ZmqSource:
             log.info("engine back reason=health")
             return WatchResult(Watch.BACK, "healthy again", self.stream.incarnation)
         return WatchResult()
-
-    def medium_names_by_engine(self) -> dict[str, str]:
-        """Engine medium name -> KVCM medium (for metric labels: bounded by the map)."""
-        return medium_map(self.z.medium_map)
 
     def checkpoint_age_s(self) -> float:
         return self.clock() - self.ckpt_at if self.ckpt_at else -1.0

@@ -165,8 +165,9 @@ def fold_hashes(hashes: list[Any], kind: str = "mixed") -> np.ndarray:
     return np.array(vals, np.uint64).view(np.int64)
 
 
-def to_blocks(segments: list[Segment]) -> Blocks:
-    """One set of arrays for several segments (of one hash kind, or folded one by one)."""
+def to_blocks(segments: list[Segment]) -> tuple[Blocks, np.ndarray]:
+    """One set of arrays for several segments, and the events they hold per medium index and
+    type: counts[2 * medium + 1] stored, counts[2 * medium] removed (512 entries)."""
     kinds = {s.kind for s in segments}
     kind = kinds.pop() if len(kinds) == 1 else "mixed"
     if len(segments) == 1:
@@ -187,12 +188,16 @@ def to_blocks(segments: list[Segment]) -> Blocks:
             groups += seg.groups
             signs += seg.signs
     n = np.array(counts, np.int64)
-    return Blocks(
+    m = np.array(meds, np.uint8)
+    sg = np.array(signs, np.int8)
+    events = np.bincount(m.astype(np.int64) * 2 + (sg > 0), minlength=512)
+    blocks = Blocks(
         fold_hashes(hashes, kind),
-        np.repeat(np.array(meds, np.uint8), n),
+        np.repeat(m, n),
         np.repeat(np.array(groups, np.uint8), n),
-        np.repeat(np.array(signs, np.int8), n),
+        np.repeat(sg, n),
     )
+    return blocks, events
 
 
 class EventDecoder:
@@ -205,11 +210,9 @@ class EventDecoder:
         self.default_medium = "GPU"  # what an absent medium means (vLLM and SGLang)
         self.block_size = block_size
         self.dp_rank = dp_rank  # batches of another rank are not folded (None: fold all)
-        # Running totals of what was folded (metrics): events by engine medium, drops.
-        self.stored: dict[str, int] = {}
-        self.removed: dict[str, int] = {}
+        # Running totals (metrics): clears and per-event drops; events and blocks applied are
+        # counted per flush by the Stream (to_blocks).
         self.cleared = 0
-        self.blocks = 0
         self.drops: dict[str, int] = {}
         self.dropped_recently = False  # the owner logs drops (once per interval) and clears
         self._order = list(range(len(_VARIANTS)))  # the variant that worked last goes first
@@ -266,71 +269,52 @@ class EventDecoder:
         return None
 
     def _fold(self, dp_rank: int | None, events: list[Any], kind: str) -> Decoded:
-        # The hot loop of the ZMQ source (~1 M block events/s): locals only, no calls per
-        # event beyond list appends and dict counts (self.tally, self.drops: running totals).
+        # The hot loop of the ZMQ source: locals only, a few list appends per event and
+        # nothing per hash; events and blocks are counted per flush from these lists
+        # (to_blocks), drops (rare) here.
         out = Decoded(True, dp_rank)
         if dp_rank is not None and self.dp_rank is not None and dp_rank != self.dp_rank:
             return out  # another rank's batch: the caller counts it, nothing to fold
         seg = Segment(kind)
-        hashes, counts, meds, groups, signs = (
-            seg.hashes,
-            seg.counts,
-            seg.meds,
-            seg.groups,
-            seg.signs,
-        )
+        hashes, counts, meds = seg.hashes, seg.counts, seg.meds
+        groups, signs = seg.groups, seg.signs
         index, default, bs = self.medium_index, self.default_medium, self.block_size
-        stored_n, removed_n = self.stored, self.removed
         tag_of = _TAG
-        blocks = 0
         for ev in events:
             name = tag_of[type(ev)]
-            if name == CLEARED:
-                if counts:
-                    out.parts.append(seg)
-                    seg = Segment(kind)
-                    hashes, counts, meds, groups = seg.hashes, seg.counts, seg.meds, seg.groups
-                    signs = seg.signs
-                out.parts.append(CLEARED)
-                self.cleared += 1
-                continue
-            medium = ev.medium or default
-            hs = ev.block_hashes
-            n = len(hs)
-            blocks += n
-            mi = index.get(medium)
-            if name == STORED:
-                stored_n[medium] = stored_n.get(medium, 0) + 1
-                if mi is None:
-                    self._drop(DROP_MEDIUM)
-                    continue
+            if name is STORED:
                 size = ev.block_size
                 if size is not None and size != bs:
                     self._drop(DROP_BLOCK_SIZE)
                     continue
-                signs.append(1)
-            else:
-                removed_n[medium] = removed_n.get(medium, 0) + 1
-                if mi is None:
-                    self._drop(DROP_MEDIUM)
-                    continue
-                signs.append(-1)
+                sign = 1
+            elif name is REMOVED:
+                sign = -1
+            else:  # CLEARED
+                if counts:
+                    out.parts.append(seg)
+                    seg = Segment(kind)
+                    hashes, counts, meds = seg.hashes, seg.counts, seg.meds
+                    groups, signs = seg.groups, seg.signs
+                out.parts.append(CLEARED)
+                self.cleared += 1
+                continue
+            mi = index.get(ev.medium or default)
+            if mi is None:
+                self._drop(DROP_MEDIUM)
+                continue
             g = ev.group_idx
-            if g:
-                if not 0 < g < 63:  # group bits live in an int64 mask
-                    self._drop(ERR_EVENT)
-                    signs.pop()
-                    continue
-                groups.append(g)
-            else:
-                groups.append(0)
+            if g and not 0 < g < 63:  # group bits live in an int64 mask
+                self._drop(ERR_EVENT)
+                continue
+            hs = ev.block_hashes
             hashes += hs
-            counts.append(n)
+            counts.append(len(hs))
             meds.append(mi)
+            groups.append(g or 0)
+            signs.append(sign)
         if counts:
             out.parts.append(seg)
-        out.blocks = blocks
-        self.blocks += blocks
         return out
 
     def _drop(self, reason: str) -> None:
