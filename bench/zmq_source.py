@@ -1,7 +1,8 @@
 """How fast is the ZMQ source, and what does it cost? One run; writes bench/results/zmq_source.json.
 
 fold        vLLM-format payloads (msgpack) -> decode -> store counts -> key state, in process, on
-            one core: block events/s (maps with int hashes; positional with 32-byte digests)
+            one core: block events/s (maps with int hashes; positional with 32-byte digests;
+            8 events of 4 blocks per batch, and 32-block events as prefills send)
 end_to_end  a PUB socket blasting the same payloads -> the real daemon (`kvcm-sidecar run`,
             source.kind=zmq) -> the null manager (bench/null_server.py): block events/s until
             KVCM's copy is confirmed, key changes sent per second, and the sidecar's CPU-seconds
@@ -45,12 +46,18 @@ BLOCK_SIZE = 16
 FLUSH_EVERY = 256  # batches folded together: what one feed-loop turn of the daemon reads at ~1 M/s
 
 
-def payloads(n_blocks: int, *, positional: bool = False, digests: bool = False) -> list[bytes]:
+def payloads(
+    n_blocks: int,
+    *,
+    positional: bool = False,
+    digests: bool = False,
+    blocks_per_event: int = BLOCKS_PER_EVENT,
+) -> list[bytes]:
     """vLLM-format batches: stores of fresh hashes (10 % duplicates of held ones) and removes of
     held ones, on GPU and CPU; each BlockStored carries its token ids, as vLLM's do."""
     rng = random.Random(7)
     held: list[Any] = []
-    tokens = list(range(BLOCKS_PER_EVENT * BLOCK_SIZE))
+    tokens = list(range(blocks_per_event * BLOCK_SIZE))
     out: list[bytes] = []
     done = 0
     enc = msgspec.msgpack.Encoder()
@@ -59,7 +66,8 @@ def payloads(n_blocks: int, *, positional: bool = False, digests: bool = False) 
         for _ in range(EVENTS_PER_BATCH):
             medium = "GPU" if rng.random() < 0.7 else "CPU"
             if held and (len(held) > 50_000 or rng.random() < 0.4):
-                hs = [held.pop(rng.randrange(len(held))) for _ in range(min(4, len(held)))]
+                take = min(blocks_per_event, len(held))
+                hs = [held.pop(rng.randrange(len(held))) for _ in range(take)]
                 fields: dict[str, Any] = {"block_hashes": hs, "medium": medium}
                 name = "BlockRemoved"
             else:
@@ -67,7 +75,7 @@ def payloads(n_blocks: int, *, positional: bool = False, digests: bool = False) 
                     held[rng.randrange(len(held))]
                     if held and rng.random() < 0.1
                     else (rng.randbytes(32) if digests else rng.getrandbits(64))
-                    for _ in range(BLOCKS_PER_EVENT)
+                    for _ in range(blocks_per_event)
                 ]
                 held.extend(hs)
                 fields = {
@@ -279,10 +287,12 @@ def main() -> None:
     a = ap.parse_args()
     n = 200_000 if a.quick else 2_000_000
     out: dict[str, Any] = {"python": sys.version.split()[0], "block_events": n}
-    for label, kw in (
+    variants: list[tuple[str, dict[str, Any]]] = [
         ("map_int", {}),
         ("positional_digest", {"positional": True, "digests": True}),
-    ):
+        ("map_int_prefill", {"blocks_per_event": 32}),  # one event per 512-token prompt
+    ]
+    for label, kw in variants:
         batches = payloads(n, **kw)
         cpu, blocks = min(fold(batches) for _ in range(3))
         base_cpu = min(fold_baseline(batches) for _ in range(2))

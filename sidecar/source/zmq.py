@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 END_SEQ = b"\xff" * 8  # the replay end marker's seq (-1)
 MAX_HELD_LIVE = 200_000  # live batches held while a replay runs; beyond: give up, forget
+IDLE_TURN_S = 0.1
 DRAIN_BATCHES = 4096  # frames read per loop turn before folding (bounds one turn's latency)
 
 # Forget reasons (labels of kvcm_sidecar_zmq_forgets_total).
@@ -424,7 +425,6 @@ class ZmqSource:
         self.live_frames = 0
         self.replayed_frames = 0
         self.highest_seen = -1
-        self._reprove = False
         self._ctx: zmq.asyncio.Context | None = None
 
     # ---- what the publisher reads ----------------------------------------------------------
@@ -486,7 +486,9 @@ class ZmqSource:
             log.warning("engine down reason=health failures=%d", self.health_failures)
             return WatchResult(Watch.DOWN, f"health check failed {self.health_failures} times")
         if engine_down and self.health_failures == 0 and self.health_ok_once:
-            self._reprove = True  # a new incarnation unless the replay proves continuity
+            # A new incarnation unless the replay proves continuity; not synced until then, so
+            # the publisher's snapshot after re-registering waits for the proof.
+            self.stream.reprove()
             log.info("engine back reason=health")
             return WatchResult(Watch.BACK, "healthy again", self.stream.incarnation)
         return WatchResult()
@@ -623,13 +625,11 @@ class ZmqSource:
         every = self.z.checkpoint_interval_s
         next_ckpt = self.clock() + every
         while True:
-            if self._reprove:
-                self._reprove = False
-                s.reprove()
             if s.want_replay is not None and dealer is not None:
                 start, s.want_replay = s.want_replay, None
                 await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            timeout = next_ckpt - self.clock()
+            # At most IDLE_TURN_S asleep: a replay the watch loop asks for goes out promptly.
+            timeout = min(next_ckpt - self.clock(), IDLE_TURN_S)
             if s.replay is not None:
                 timeout = min(timeout, s.replay.deadline - self.clock())
             events = dict(await poller.poll(max(int(timeout * 1000), 0)))

@@ -319,3 +319,20 @@ async def test_zmq_source_metrics_every_documented_metric_exported(z: ZmqHarness
             assert families.get(name) == kind, (name, families.get(name))
     text = await z.h.metrics()
     assert 'kvcm_sidecar_zmq_events_total{medium="mem",type="BlockStored"}' in text
+
+
+async def test_zmq_source_engine_restarted_during_health_outage_is_a_new_life(
+    z: ZmqHarness,
+) -> None:
+    pub = z.start_engine(health=True)
+    z.start_sidecar()
+    z.workload(500)
+    await z.converge()
+    pub.call("health", ok=False)
+    await z.settle(lambda s: s["state"] == "ENGINE_DOWN")
+    pub.call("restart")  # the engine came back as a new process: empty cache, seq from 0
+    z.workload(300, seed=6)
+    pub.call("health", ok=True)
+    await z.converge()  # exactly the new life: nothing of the old one stays in KVCM
+    st = await z.settle(lambda s: s["state"] == "READY")
+    assert _forgets(st).get("engine_restart", 0) >= 1
