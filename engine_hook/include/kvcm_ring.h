@@ -121,6 +121,7 @@ typedef struct kvcm_descriptor {
     uint64_t ring_capacity_slots; /* 0: the segment's (or the default when creating) */
     double max_stage_delay_ms;    /* helper-thread period (liveness stamp, snapshots) */
     const char *extra;            /* "k=v,k=v" */
+    char error[256]; /* set by kvcm_descriptor_from_env; attach then refuses as invalid config */
 } kvcm_descriptor;
 
 /* Counters: every problem is counted here, none is raised. Read with kvcm_ring_stats(). */
@@ -314,9 +315,13 @@ static inline int kvcm__parse_list(const char *s, int64_t *out, int *n) {
 }
 
 /* Overlay the KV_CACHE_EVENT_<FIELD> variables on `d` (call after kvcm_descriptor_init and
- * before setting the engine's own values). Returns 0, or KVCM_E_CONFIG with the variable named
- * in `err`. The strings point into the environment: do not setenv() them away meanwhile. */
-static inline int kvcm_descriptor_from_env(kvcm_descriptor *d, char *err, size_t errlen) {
+ * before setting the engine's own values: arguments win over the environment). Returns 0, or
+ * KVCM_E_CONFIG with the variable named in d->error (kvcm_ring_attach then returns a no-op
+ * handle with "invalid config: ..."). The strings point into the environment: do not setenv()
+ * them away meanwhile. */
+static inline int kvcm_descriptor_from_env(kvcm_descriptor *d) {
+    char *err = d->error;
+    size_t errlen = sizeof d->error;
     static const struct {
         const char *env;
         char type; /* s string, i int, b bool, f float, l int list, u u64 */
@@ -388,7 +393,12 @@ static inline int kvcm_descriptor_from_env(kvcm_descriptor *d, char *err, size_t
         if (!ok) {
             const char *t = F[i].type == 'l' ? "tuple[int, ...]" : F[i].type == 'b' ? "bool"
                           : F[i].type == 'f' ? "float" : "int";
-            if (err && errlen) snprintf(err, errlen, "env %s: '%s' is not a valid %s", F[i].env, v, t);
+            char field[40];
+            size_t k = 0;
+            for (const char *c = F[i].env + 15; *c && k + 1 < sizeof field; c++)
+                field[k++] = (char)(*c >= 'A' && *c <= 'Z' ? *c + 32 : *c);
+            field[k] = 0;
+            snprintf(err, errlen, "env %s: %s='%s' is not a valid %s", F[i].env, field, v, t);
             return KVCM_E_CONFIG;
         }
     }
@@ -972,6 +982,10 @@ static inline int kvcm_ring_attach(const kvcm_descriptor *d, kvcm_ring **out) {
     r->st.ring_name = r->name;
     if (!d) {
         snprintf(r->reason, sizeof r->reason, "invalid config: no descriptor");
+        return r->code = KVCM_E_CONFIG;
+    }
+    if (d->error[0]) {
+        snprintf(r->reason, sizeof r->reason, "invalid config: %s", d->error);
         return r->code = KVCM_E_CONFIG;
     }
     if (kvcm__validate(d, r, err, sizeof err)) {

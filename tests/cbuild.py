@@ -1,0 +1,54 @@
+"""Compile the C sources under tests/c/ against engine_hook/include/kvcm_ring.h, once per run.
+
+Imports: stdlib + pytest. Binaries are cached by a hash of the sources and flags, so a test
+session compiles each at most once; without a compiler the caller skips with the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+INCLUDE = ROOT / "engine_hook" / "include"
+HEADER = INCLUDE / "kvcm_ring.h"
+C_DIR = Path(__file__).resolve().parent / "c"
+CACHE = Path(tempfile.gettempdir()) / "kvcm-test-c"
+C_FLAGS = ("-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic")
+CXX_FLAGS = ("-std=c++17", "-Wall", "-Wextra", "-Werror")
+
+
+def compiler(cxx: bool = False) -> str:
+    """The system C (or C++) compiler, or skip the test saying none exists."""
+    names = ("g++", "c++", "clang++") if cxx else ("gcc", "cc", "clang")
+    for name in names:
+        path = shutil.which(name)
+        if path:
+            return path
+    pytest.skip(f"no {'C++' if cxx else 'C'} compiler found (looked for {', '.join(names)})")
+
+
+def build(source: str, *, cxx: bool = False, opt: str = "-O2", extra: tuple[str, ...] = ()) -> Path:
+    """Compile tests/c/<source> (as C99, or as C++17 with cxx=True); returns the binary."""
+    cc = compiler(cxx)
+    src = C_DIR / source
+    flags = (*(CXX_FLAGS if cxx else C_FLAGS), opt, *extra)
+    lang = ("-x", "c++") if cxx else ()
+    digest = hashlib.sha1(usedforsecurity=False)
+    for part in (src.read_bytes(), HEADER.read_bytes(), cc.encode(), " ".join(flags).encode()):
+        digest.update(part)
+    out = CACHE / f"{src.stem}-{'cxx' if cxx else 'c'}-{digest.hexdigest()[:12]}"
+    if not out.exists():
+        CACHE.mkdir(exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        argv = [cc, *lang, *flags, f"-I{INCLUDE}", str(src), "-o", str(tmp), "-pthread"]
+        res = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if res.returncode != 0:
+            raise AssertionError(f"compile failed: {' '.join(argv)}\n{res.stderr}")
+        tmp.rename(out)
+    return out
