@@ -1,7 +1,8 @@
 """Compile the C sources under tests/c/ against engine_hook/include/kvcm_ring.h, once per run.
 
-Imports: stdlib + pytest. Binaries are cached by a hash of the sources and flags, so a test
-session compiles each at most once; without a compiler the caller skips with the reason.
+Imports: stdlib (pytest only to skip). Binaries are cached by a hash of the sources and flags, so
+a test session compiles each at most once; without a compiler a test skips with the reason
+(bench/hotpath_c.py asks find_compiler() first and reports instead).
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 INCLUDE = ROOT / "engine_hook" / "include"
 HEADER = INCLUDE / "kvcm_ring.h"
@@ -23,14 +22,27 @@ C_FLAGS = ("-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic")
 CXX_FLAGS = ("-std=c++17", "-Wall", "-Wextra", "-Werror")
 
 
-def compiler(cxx: bool = False) -> str:
-    """The system C (or C++) compiler, or skip the test saying none exists."""
-    names = ("g++", "c++", "clang++") if cxx else ("gcc", "cc", "clang")
-    for name in names:
+def _names(cxx: bool) -> tuple[str, ...]:
+    return ("g++", "c++", "clang++") if cxx else ("gcc", "cc", "clang")
+
+
+def find_compiler(cxx: bool = False) -> str | None:
+    for name in _names(cxx):
         path = shutil.which(name)
         if path:
             return path
-    pytest.skip(f"no {'C++' if cxx else 'C'} compiler found (looked for {', '.join(names)})")
+    return None
+
+
+def compiler(cxx: bool = False) -> str:
+    """The system C (or C++) compiler, or skip the test saying none exists."""
+    path = find_compiler(cxx)
+    if path is None:
+        import pytest  # only tests reach this line
+
+        names = ", ".join(_names(cxx))
+        pytest.skip(f"no {'C++' if cxx else 'C'} compiler found (looked for {names})")
+    return path
 
 
 def build(source: str, *, cxx: bool = False, opt: str = "-O2", extra: tuple[str, ...] = ()) -> Path:
