@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 class CEngineProc(EngineProc):
     """tests/c/kvcm_test_engine.c as the engine process (EngineProc's line protocol)."""
 
-    def __init__(self, binary: Path, argv: list[str]) -> None:  # noqa: D107 - same as EngineProc
+    def __init__(self, binary: Path, argv: list[str]) -> None:
         self.p = subprocess.Popen(
             [str(binary), *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )

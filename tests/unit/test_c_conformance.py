@@ -89,7 +89,9 @@ def _python_hook(ring: str) -> Hook:
 
 def _held(snap: snapshot.Snapshot) -> dict[tuple[int, int], int]:
     out: dict[tuple[int, int], int] = {}
-    for k, m, med in zip(snap.keys.tolist(), snap.masks.tolist(), snap.mediums.tolist(), strict=True):
+    for k, m, med in zip(
+        snap.keys.tolist(), snap.masks.tolist(), snap.mediums.tolist(), strict=True
+    ):
         out[(k, med)] = out.get((k, med), 0) | m
     return {km: m for km, m in out.items() if m}
 
@@ -119,10 +121,10 @@ class Pair:
             self.c_stats = self.c("cleared")
         elif kind == "drain":
             got = {side: r.read(max_records=op[1]) for side, r in self.readers.items()}
-            py, c = got["py"], got["c"]
-            assert not py.gap and not c.gap and not py.anomalies and not c.anomalies
-            assert py.records[:, :3].tolist() == c.records[:, :3].tolist()  # seq, key, meta
-            assert py.dropped == c.dropped
+            rp, rc = got["py"], got["c"]
+            assert not rp.gap and not rc.gap and not rp.anomalies and not rc.anomalies
+            assert rp.records[:, :3].tolist() == rc.records[:, :3].tolist()  # seq, key, meta
+            assert rp.dropped == rc.dropped
         elif kind == "snapshot":
             reqs = {side: snapshot.request(seg) for side, seg in self.segs.items()}
             self.hook.flush(wait=True)  # without a flusher thread the flush answers
@@ -155,7 +157,9 @@ class Pair:
             unlink(name)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(ops=ops)
 def test_c_conformance_same_records_and_header_as_python(engine: Path, ops: list[Any]) -> None:
     pair = Pair(engine)

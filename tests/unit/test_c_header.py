@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import threading
 import uuid
@@ -108,6 +109,7 @@ def test_c_header_compiles_as_pedantic_c99_and_as_cxx17(engine: Path) -> None:
 
 def test_c_header_declares_exactly_the_public_names() -> None:
     text = cbuild.HEADER.read_text()
+    returns = {"kvcm_ring_attach": "int", "kvcm_ring_poll": "int"}
     for name in (
         "kvcm_ring_attach",
         "kvcm_ring_stored",
@@ -117,9 +119,7 @@ def test_c_header_declares_exactly_the_public_names() -> None:
         "kvcm_ring_stats",
         "kvcm_ring_close",
     ):
-        assert f"static inline {'int' if name in ('kvcm_ring_attach', 'kvcm_ring_poll') else 'void'} {name}(" in text
-    import re
-
+        assert f"static inline {returns.get(name, 'void')} {name}(" in text
     defined = re.findall(r"^static inline [\w\s\*]+?\b(\w+)\(", text, re.M)
     assert defined and all(n.startswith("kvcm_") for n in defined), defined
     macros = re.findall(r"^#define (\w+)", text, re.M)
@@ -128,7 +128,7 @@ def test_c_header_declares_exactly_the_public_names() -> None:
 
 # ---- descriptor, segment name, gating ------------------------------------------------------
 _FULL_ENV = {
-    "KV_CACHE_EVENT_INSTANCE_ID": "pod-7/éx \"q\" ☃",
+    "KV_CACHE_EVENT_INSTANCE_ID": 'pod-7/éx "q" ☃',
     "KV_CACHE_EVENT_DP_RANK": " 3 ",
     "KV_CACHE_EVENT_TP_SIZE": "4",
     "KV_CACHE_EVENT_DP_SIZE": "8",
@@ -146,7 +146,9 @@ _FULL_ENV = {
 }
 
 
-def test_c_header_descriptor_json_and_segment_name_match_python(engine: Path, ids: list[str]) -> None:
+def test_c_header_descriptor_json_and_segment_name_match_python(
+    engine: Path, ids: list[str]
+) -> None:
     d, reason = _python_attach_reason(_FULL_ENV)
     assert d is not None and reason == ""
     name = L.segment_name(d.instance_id, d.dp_rank)
@@ -164,7 +166,9 @@ def test_c_header_descriptor_json_and_segment_name_match_python(engine: Path, id
         seg.close()
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     instance_id=st.text(
         st.characters(blacklist_categories=("Cs", "Cc"), blacklist_characters="\x00"),
@@ -301,7 +305,9 @@ def test_c_header_refuses_a_second_live_producer_and_python_refuses_it(
     seg = Segment(ring_name, 16)
     w = RingWriter(seg)  # a live Python producer (this process)
     try:
-        _refused(engine, ring_name, KVCM_E_CONFLICT, f"already has a live producer pid={os.getpid()}")
+        _refused(
+            engine, ring_name, KVCM_E_CONFLICT, f"already has a live producer pid={os.getpid()}"
+        )
         w.close()
         ops = Ops(engine, ring_name)  # the Python one closed: the C one attaches
         assert ops.ready["code"] == KVCM_OK

@@ -45,7 +45,17 @@ def test_packaging_wheel_carries_header_and_py_typed(tmp_path: Path) -> None:
     # Installed from the wheel (no source tree on the path), include-dir finds the copy.
     target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "-q",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
         check=True,
         capture_output=True,
     )
