@@ -45,10 +45,12 @@ def compiler(cxx: bool = False) -> str:
     return path
 
 
-def build(source: str, *, cxx: bool = False, opt: str = "-O2", extra: tuple[str, ...] = ()) -> Path:
-    """Compile tests/c/<source> (as C99, or as C++17 with cxx=True); returns the binary."""
+def build(
+    source: str | Path, *, cxx: bool = False, opt: str = "-O2", extra: tuple[str, ...] = ()
+) -> Path:
+    """Compile tests/c/<source> or a path (as C99, or C++17 with cxx=True); returns the binary."""
     cc = compiler(cxx)
-    src = C_DIR / source
+    src = C_DIR / source  # an absolute path stays itself
     flags = (*(CXX_FLAGS if cxx else C_FLAGS), opt, *extra)
     lang = ("-x", "c++") if cxx else ()
     digest = hashlib.sha1(usedforsecurity=False)

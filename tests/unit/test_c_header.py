@@ -26,6 +26,7 @@ from engine_hook.gating import gate_reason
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring import snapshot
 from sidecar.shm_ring.doorbell import Listener
+from sidecar.shm_ring.reader import RingReader
 from sidecar.shm_ring.segment import Segment, unlink
 from sidecar.shm_ring.writer import ProducerConflict, RingWriter
 from tests import cbuild
@@ -413,3 +414,64 @@ def test_c_header_rings_the_doorbell_only_while_the_reader_sleeps(
         ops.close()
         bell.close()
         seg.close()
+
+
+def test_c_header_constants_match_layout() -> None:
+    """Every header word index, magic and size in kvcm_ring.h is layout.py's."""
+    text = cbuild.HEADER.read_text()
+    words = dict(re.findall(r"KVCM_(W_\w+) = (\d+)", text))
+    assert words == {n: str(getattr(L, n)) for n in dir(L) if n.startswith("W_")}
+    snap_words = dict(re.findall(r"KVCM_(SW_\w+) = (\d+)", text))
+    assert snap_words == {n: str(getattr(L, n)) for n in dir(L) if n.startswith("SW_")}
+    defines = dict(re.findall(r"^#define KVCM_(\w+) (0x[0-9A-F]+ULL|\d+u?)", text, re.M))
+    for name in (
+        "LAYOUT_VERSION",
+        "SLOT_SIZE",
+        "HEADER_SIZE",
+        "DESCRIPTOR_OFFSET",
+        "MIN_CAPACITY",
+        "SNAP_HEADER_SIZE",
+        "SNAP_ENTRY_BYTES",
+        "SNAP_FLAG_MEDIUMS",
+        "MAGIC",
+        "SNAP_MAGIC",
+        "MAX_GROUPS",
+    ):
+        value = int(defines[name].rstrip("ULu"), 0)
+        assert value == getattr(L, name), name
+    assert L.DEFAULT_CAPACITY_SLOTS == 1 << 16
+    assert "#define KVCM_DEFAULT_CAPACITY_SLOTS (1u << 16)" in text
+
+
+def _doc_example(tmp_path: Path) -> Path:
+    doc = (cbuild.ROOT / "docs" / "ring.md").read_text()
+    section = doc[doc.index("## C and C++ producers") :]
+    code = section[section.index("```c\n") + 5 :]
+    src = tmp_path / "engine.c"
+    src.write_text(code[: code.index("```")])
+    return src
+
+
+def test_c_header_doc_example_compiles_and_publishes(tmp_path: Path, ring_name: str) -> None:
+    """The complete example in docs/ring.md, compiled as documented and run as an engine."""
+    binary = cbuild.build(_doc_example(tmp_path))
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KV_CACHE_EVENT_")}
+    env = {**clean, "KV_CACHE_EVENT_INSTANCE_ID": "doc", "KV_CACHE_EVENT_RING_NAME": ring_name}
+    res = subprocess.run([str(binary)], env=env, capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "published=736 dropped=0 problems=0"  # 100x4 stored, 84x4 evicted
+    seg = Segment(ring_name)
+    reader = RingReader(seg, exclusive=False)
+    try:
+        held: set[int] = set()
+        for _, key, meta, _ in reader.read().records.tolist():
+            (held.add if meta & 0xFF == L.KIND_STORED else held.discard)(key)
+        assert held == set(range(336, 400))  # the table's last 64 blocks
+        assert int(seg.hdr[L.W_PRODUCER_STATE]) == L.PRODUCER_CLOSED
+        assert Descriptor.from_json(seg.read_descriptor()).model_name == "toy-model"
+    finally:
+        reader.close()
+        seg.close()
+
+
+def test_c_header_doc_example_compiles_as_cxx(tmp_path: Path) -> None:
+    assert cbuild.build(_doc_example(tmp_path), cxx=True).exists()
