@@ -1025,6 +1025,9 @@ static inline int kvcm_ring_attach(const kvcm_descriptor *d, kvcm_ring **out) {
     r->boot_id = kvcm__random64();
     r->tail = KVCM__LOAD(&h[KVCM_W_TAIL], KVCM__RLX);
     r->head_cache = KVCM__LOAD(&h[KVCM_W_HEAD], KVCM__ACQ);
+    /* A reader cursor outside [tail - capacity, tail] is garbage: take the ring as empty, as
+     * the reader does when it starts (it skips to the tail). */
+    if (r->tail - r->head_cache > r->cap) r->head_cache = r->tail;
     r->dropped = h[KVCM_W_DROPPED];
     r->attempted = h[KVCM_W_ATTEMPTED];
     r->seq = 0;

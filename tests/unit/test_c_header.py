@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -475,3 +476,40 @@ def test_c_header_doc_example_compiles_and_publishes(tmp_path: Path, ring_name: 
 
 def test_c_header_doc_example_compiles_as_cxx(tmp_path: Path) -> None:
     assert cbuild.build(_doc_example(tmp_path), cxx=True).exists()
+
+
+def test_c_header_helper_thread_stamps_liveness_and_answers_snapshots(
+    engine: Path, ring_name: str
+) -> None:
+    """With kvcm_ring_start_thread, an engine that does nothing still looks alive and answers."""
+    p = subprocess.Popen(
+        [str(engine), "cache", ring_name, "thread-test", "1024", "1", "1"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stdin is not None and p.stdout is not None
+    try:
+        assert json.loads(p.stdout.readline())["ready"]
+        p.stdin.write('{"op":"work","n":5}\n')
+        p.stdin.flush()
+        published = set(json.loads(p.stdout.readline())["published"])
+        seg = Segment(ring_name)
+        try:
+            t0 = int(seg.hdr[L.W_LIVENESS_NS])
+            req = snapshot.request(seg)
+            deadline = time.monotonic() + 10
+            snap = None
+            while snap is None:  # the engine is blocked reading stdin: only its thread runs
+                assert time.monotonic() < deadline, "the helper thread never answered"
+                snap = snapshot.poll(seg, req)
+                time.sleep(0.005)  # polling another process's shared memory, bounded above
+            assert int(seg.hdr[L.W_LIVENESS_NS]) > t0
+            full = {int(k) for k, m in zip(snap.keys, snap.masks, strict=True) if m & 3 == 3}
+            assert full == published
+        finally:
+            seg.close()
+    finally:
+        p.stdin.close()
+        p.wait(timeout=10)
+        p.stdout.close()
