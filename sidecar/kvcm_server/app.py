@@ -41,17 +41,22 @@ def _int(value: Any) -> int:
 
 
 class Faults:
-    """Test-controlled misbehaviour: per route, the next `count` requests get the fault."""
+    """Test-controlled misbehaviour: per route, the next `count` requests get the fault (with
+    `event`, only requests whose body names that event type, e.g. "EVENT_HEARTBEAT")."""
 
     def __init__(self) -> None:
         self.rules: dict[str, dict[str, Any]] = {}
+        self.taken = asyncio.Event()  # set when a request got a fault (in-process tests wait)
 
-    def take(self, route: str) -> dict[str, Any] | None:
+    def take(self, route: str, body: bytes) -> dict[str, Any] | None:
         for name in (route, "*"):
             rule = self.rules.get(name)
+            if rule and rule.get("event") and f'"{rule["event"]}"'.encode() not in body:
+                continue
             if rule and rule.get("count", 0) != 0:
                 if rule["count"] > 0:
                     rule["count"] -= 1
+                self.taken.set()
                 return rule
         return None
 
@@ -165,7 +170,11 @@ class KvcmServer:
     def _wrap(self, name: str, fn: Handler) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handler(request: web.Request) -> web.Response:
             self.requests[name] = self.requests.get(name, 0) + 1
-            fault = self.faults.take(name)
+            try:
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                return web.Response(status=413, body=b"{}", content_type="application/json")
+            fault = self.faults.take(name, raw)
             if fault:
                 if fault.get("delay_ms"):
                     await asyncio.sleep(fault["delay_ms"] / 1000)
@@ -178,10 +187,6 @@ class KvcmServer:
                         body=io.BytesIO(fault["body"].encode()),  # streamed: bodies may be large
                         content_type="application/json",
                     )
-            try:
-                raw = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                return web.Response(status=413, body=b"{}", content_type="application/json")
             typed = P.decode_report(raw) if name == "reportEvent" else None
             trace_id: Any = typed[0].trace_id if typed else ""
             try:

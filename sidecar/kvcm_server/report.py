@@ -132,6 +132,9 @@ class EventReport:
             raise ApiError("INVALID_ARGUMENT", "HOST_DOWN must be the only event")
         key = (iid, stype, host)
         r = st.reporters.get(key)
+        if r is not None:  # counted whatever the answer (a new reporter's: below)
+            r.snapshot_requests += n_snap
+            r.host_down_requests += host_down
         now = st.clock()
         if r is not None and st.liveness(r, now) == "tombstoned":
             if types == [HOST_DOWN]:
@@ -147,8 +150,8 @@ class EventReport:
         if r is None:
             r = Reporter(iid, stype, host, storage["global_unique_name"], now, now)
             st.reporters[key] = r
-        r.snapshot_requests += n_snap
-        r.host_down_requests += host_down
+            r.snapshot_requests += n_snap
+            r.host_down_requests += host_down
         if (ADD in types or DELETE in types) and r.snapshot_busy:
             await self._wait_gate(r, storage)
         return r, created, had_generation
