@@ -11,6 +11,14 @@ from typing import Any
 
 from tests.proc import ROOT
 
+REG = {
+    "instance_group": "default",
+    "instance_id": "cli",
+    "block_size": 16,
+    "location_spec_infos": [{"name": "full", "size": 1}],
+    "model_deployment": {"model_name": "m", "dtype": "fp16"},
+}
+
 
 def _post(base: str, route: str, body: dict[str, Any]) -> dict[str, Any]:
     req = urllib.request.Request(
@@ -48,13 +56,7 @@ def test_kvcm_server_cli_bootstrap_serves_and_exits_0_on_sigterm() -> None:
         reg = _post(
             base,
             "registerInstance",
-            {
-                "instance_group": "default",
-                "instance_id": "cli",
-                "block_size": 16,
-                "location_spec_infos": [{"name": "full", "size": 1}],
-                "model_deployment": {"model_name": "m", "dtype": "fp16"},
-            },
+            REG,
         )
         assert reg["header"]["status"]["code"] == "OK"
         rep = _post(
@@ -137,20 +139,13 @@ def test_kvcm_server_cli_restart_sequence_with_state_file(tmp_path: Any) -> None
     fresh version (and, creating the generation, snapshot_required=true: KVCM's
     report_event.md §3.4); a snapshot then commits yet another version."""
     state = str(tmp_path / "kvcm.json")
-    reg = {
-        "instance_group": "default",
-        "instance_id": "cli",
-        "block_size": 16,
-        "location_spec_infos": [{"name": "full", "size": 1}],
-        "model_deployment": {"model_name": "m", "dtype": "fp16"},
-    }
     snap = {
         "event_type": "EVENT_BLOCK_SNAPSHOT",
         "block_snapshot": {"blocks": [_add(1)["block_add"]]},
     }
     p, bases = _start("--bootstrap", "--state-file", state)
     try:
-        assert _post(bases["meta"], "registerInstance", reg)["header"]["status"]["code"] == "OK"
+        assert _post(bases["meta"], "registerInstance", REG)["header"]["status"]["code"] == "OK"
         old = _report(bases["meta"], snap)["committed_snapshot_version"]
         assert len(old) == 32 and _uris(bases["meta"], 1)[0].endswith(f"s_version={old}")
     finally:
