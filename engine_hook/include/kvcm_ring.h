@@ -1154,30 +1154,28 @@ static inline int kvcm__check(kvcm_ring *r, int group, int medium) {
     return 1;
 }
 
+static inline void kvcm__report(kvcm_ring *r, uint64_t kind, const int64_t *keys, size_t n,
+                                int group, int medium) {
+    if (!kvcm__check(r, group, medium) || n == 0) return;
+    if (__builtin_expect(!keys, 0)) {
+        KVCM__BUMP(r->st.bad_key, 1);
+        return;
+    }
+    kvcm__write(r, keys, n, kind | (uint64_t)group << 8 | (uint64_t)medium << 16, 0);
+}
+
 /* Blocks with these keys (KVCM's signed 64-bit pattern; a uint64_t array may be cast) now hold
  * `group`'s KV in `medium` (a ring index from kvcm_ring_medium(); 0 = the default medium).
  * n = 1 with &key for one key. Never blocks, never fails: problems are counted. */
 static inline void kvcm_ring_stored(kvcm_ring *r, const int64_t *keys, size_t n, int group,
                                     int medium) {
-    if (!kvcm__check(r, group, medium) || n == 0) return;
-    if (__builtin_expect(!keys, 0)) {
-        KVCM__BUMP(r->st.bad_key, 1);
-        return;
-    }
-    kvcm__write(r, keys, n,
-                (uint64_t)KVCM_KIND_STORED | (uint64_t)group << 8 | (uint64_t)medium << 16, 0);
+    kvcm__report(r, KVCM_KIND_STORED, keys, n, group, medium);
 }
 
 /* Blocks with these keys no longer hold `group`'s KV in `medium` (evicted or freed). */
 static inline void kvcm_ring_removed(kvcm_ring *r, const int64_t *keys, size_t n, int group,
                                      int medium) {
-    if (!kvcm__check(r, group, medium) || n == 0) return;
-    if (__builtin_expect(!keys, 0)) {
-        KVCM__BUMP(r->st.bad_key, 1);
-        return;
-    }
-    kvcm__write(r, keys, n,
-                (uint64_t)KVCM_KIND_REMOVED | (uint64_t)group << 8 | (uint64_t)medium << 16, 0);
+    kvcm__report(r, KVCM_KIND_REMOVED, keys, n, group, medium);
 }
 
 /* Every block of every group and medium is gone (cache reset). */
