@@ -1312,9 +1312,11 @@ static inline void kvcm__answer(kvcm_ring *r, uint64_t req) {
     uint64_t cap = r->snap_cap, n = s->n;
     unsigned char *base = (unsigned char *)r->snap_map;
     uint64_t *sh = (uint64_t *)r->snap_map;
-    memcpy(base + KVCM_SNAP_HEADER_SIZE, s->keys, n * 8);
-    memcpy(base + KVCM_SNAP_HEADER_SIZE + 8 * cap, s->masks, n * 4);
-    memcpy(base + KVCM_SNAP_HEADER_SIZE + 12 * cap, s->mediums, n);
+    if (n) { /* an empty table has no arrays yet (memcpy from NULL is undefined even for 0) */
+        memcpy(base + KVCM_SNAP_HEADER_SIZE, s->keys, n * 8);
+        memcpy(base + KVCM_SNAP_HEADER_SIZE + 8 * cap, s->masks, n * 4);
+        memcpy(base + KVCM_SNAP_HEADER_SIZE + 12 * cap, s->mediums, n);
+    }
     KVCM__STORE(&sh[KVCM_SW_COUNT], n, KVCM__RLX);
     KVCM__STORE(&sh[KVCM_SW_CAPACITY], cap, KVCM__RLX);
     KVCM__STORE(&sh[KVCM_SW_FLAGS], (uint64_t)KVCM_SNAP_FLAG_MEDIUMS, KVCM__RLX);

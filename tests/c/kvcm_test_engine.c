@@ -236,12 +236,14 @@ static int cache_mode(char **argv) {
             printf("}\n");
             fflush(stdout);
             kvcm_ring_free(r);
+            free(t.e);
             return 0;
         }
         if (!threaded) kvcm_ring_poll(r);
         print_published(&t, r);
     }
     kvcm_ring_free(r);
+    free(t.e);
     return 0;
 }
 
@@ -306,6 +308,7 @@ static int ops_mode(char **argv) {
         fflush(stdout);
     }
     kvcm_ring_free(r);
+    free(t.e);
     return 0;
 }
 

@@ -513,3 +513,27 @@ def test_c_header_helper_thread_stamps_liveness_and_answers_snapshots(
         p.stdin.close()
         p.wait(timeout=10)
         p.stdout.close()
+
+
+def test_c_header_links_into_several_translation_units(tmp_path: Path, ring_name: str) -> None:
+    """Header-only: two .c files that both include it link into one program and share a handle."""
+    (tmp_path / "a.c").write_text(
+        '#include "kvcm_ring.h"\n'
+        "void publish(kvcm_ring *r) { int64_t k = 7; kvcm_ring_stored(r, &k, 1, 0, 0); }\n"
+    )
+    (tmp_path / "main.c").write_text(
+        '#include "kvcm_ring.h"\n'
+        "void publish(kvcm_ring *r);\n"
+        "int main(int argc, char **argv) {\n"
+        "    kvcm_descriptor d; kvcm_ring *r; kvcm_stats s; (void)argc;\n"
+        '    kvcm_descriptor_init(&d); d.instance_id = "tu"; d.ring_name = argv[1];\n'
+        "    if (kvcm_ring_attach(&d, &r) != KVCM_OK) return 1;\n"
+        "    publish(r); kvcm_ring_stats(r, &s); kvcm_ring_free(r);\n"
+        "    return s.last_seq == 1 ? 0 : 1;\n"
+        "}\n"
+    )
+    exe = tmp_path / "tu"
+    argv = [cbuild.compiler(), *cbuild.C_FLAGS, "-O2", f"-I{cbuild.INCLUDE}"]
+    srcs = [str(tmp_path / "a.c"), str(tmp_path / "main.c")]
+    subprocess.run([*argv, *srcs, "-o", str(exe), "-pthread"], check=True, capture_output=True)
+    assert subprocess.run([str(exe), ring_name], check=False).returncode == 0
