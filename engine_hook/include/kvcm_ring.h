@@ -34,6 +34,7 @@
 #include <semaphore.h>
 #include <signal.h>
 #include <stddef.h>
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -847,9 +848,13 @@ static inline int kvcm__valid_capacity(uint64_t c) {
     return c >= KVCM_MIN_CAPACITY && (c & (c - 1)) == 0 && c <= KVCM_MAX_CAPACITY;
 }
 
-static inline int kvcm__fail(kvcm_ring *r, int code, const char *fmt, const char *a, long long x) {
+__attribute__((format(printf, 3, 4))) static inline int kvcm__fail(kvcm_ring *r, int code,
+                                                                   const char *fmt, ...) {
     char msg[400];
-    snprintf(msg, sizeof msg, fmt, a, x);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
     snprintf(r->reason, sizeof r->reason, "cannot attach ring %s: %s", r->name, msg);
     r->code = code;
     return code;
@@ -863,7 +868,7 @@ static inline int kvcm__errno_code(int e) {
 static inline int kvcm__map(kvcm_ring *r, uint64_t want_cap) {
     int fd = shm_open(r->name, O_RDWR | O_CREAT, 0600);
     if (fd < 0)
-        return kvcm__fail(r, kvcm__errno_code(errno), "shm_open: %s%.0lld", strerror(errno), 0);
+        return kvcm__fail(r, kvcm__errno_code(errno), "shm_open: %s", strerror(errno));
     int locked = 0;
     for (int i = 0; i < 100; i++) { /* ~50 ms: initialisation holds the lock for microseconds */
         if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
@@ -876,15 +881,15 @@ static inline int kvcm__map(kvcm_ring *r, uint64_t want_cap) {
     }
     if (!locked) {
         close(fd);
-        return kvcm__fail(r, KVCM_E_BUSY, "ring segment %s is being initialised by another process%.0lld",
-                          r->name, 0);
+        return kvcm__fail(r, KVCM_E_BUSY, "ring segment %s is being initialised by another process",
+                          r->name);
     }
     struct stat st;
     int rc = 0, created = 0;
     uint64_t *h = NULL;
     size_t size = 0;
     if (fstat(fd, &st) != 0) {
-        rc = kvcm__fail(r, kvcm__errno_code(errno), "fstat: %s%.0lld", strerror(errno), 0);
+        rc = kvcm__fail(r, kvcm__errno_code(errno), "fstat: %s", strerror(errno));
         goto unlock;
     }
     size = (size_t)st.st_size;
@@ -892,20 +897,20 @@ static inline int kvcm__map(kvcm_ring *r, uint64_t want_cap) {
         uint64_t cap = want_cap ? want_cap : KVCM_DEFAULT_CAPACITY_SLOTS;
         size = KVCM_HEADER_SIZE + (size_t)cap * KVCM_SLOT_SIZE;
         if (fchmod(fd, 0600) != 0 || ftruncate(fd, (off_t)size) != 0) {
-            rc = kvcm__fail(r, kvcm__errno_code(errno), "ftruncate: %s%.0lld", strerror(errno), 0);
+            rc = kvcm__fail(r, kvcm__errno_code(errno), "ftruncate: %s", strerror(errno));
             goto unlock;
         }
         created = 1;
     }
     if (size < KVCM_HEADER_SIZE) {
-        rc = kvcm__fail(r, KVCM_E_CORRUPT, "ring segment %s: %lld bytes, shorter than the header",
-                        r->name, (long long)size);
+        rc = kvcm__fail(r, KVCM_E_CORRUPT, "ring segment %s: %zu bytes, shorter than the header",
+                        r->name, size);
         goto unlock;
     }
     r->map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (r->map == MAP_FAILED) {
         r->map = NULL;
-        rc = kvcm__fail(r, kvcm__errno_code(errno), "mmap: %s%.0lld", strerror(errno), 0);
+        rc = kvcm__fail(r, kvcm__errno_code(errno), "mmap: %s", strerror(errno));
         goto unlock;
     }
     r->map_len = size;
@@ -928,31 +933,32 @@ unlock:
     uint64_t magic = KVCM__LOAD(&h[KVCM_W_MAGIC], KVCM__ACQ);
     if (magic != KVCM_MAGIC)
         return kvcm__fail(r, KVCM_E_CORRUPT, "ring segment %s: bad magic %#llx", r->name,
-                          (long long)magic);
+                          (unsigned long long)magic);
     uint32_t version = (uint32_t)h[KVCM_W_VERSION_SLOT];
     uint32_t slot = (uint32_t)(h[KVCM_W_VERSION_SLOT] >> 32);
     if (version > KVCM_LAYOUT_VERSION)
         return kvcm__fail(r, KVCM_E_LAYOUT,
-                          "ring layout v%s%lld is newer than this side understands (max v1): "
-                          "upgrade the sidecar image first", "", (long long)version);
+                          "ring layout v%u is newer than this side understands (max v%u): "
+                          "upgrade the sidecar image first", version, KVCM_LAYOUT_VERSION);
     if (version < KVCM_OLDEST_READABLE_VERSION)
         return kvcm__fail(r, KVCM_E_LAYOUT,
-                          "ring layout v%s%lld is older than supported (min v1): upgrade the "
-                          "engine image", "", (long long)version);
+                          "ring layout v%u is older than supported (min v%u): upgrade the "
+                          "engine image", version, KVCM_OLDEST_READABLE_VERSION);
     if (slot != KVCM_SLOT_SIZE)
-        return kvcm__fail(r, KVCM_E_LAYOUT, "ring slot size %s%lld != 32: layout mismatch", "",
-                          (long long)slot);
+        return kvcm__fail(r, KVCM_E_LAYOUT, "ring slot size %u != %u: layout mismatch", slot,
+                          KVCM_SLOT_SIZE);
     uint64_t cap = h[KVCM_W_CAPACITY];
     if (h[KVCM_W_HEADER_SIZE] != KVCM_HEADER_SIZE || !kvcm__valid_capacity(cap))
-        return kvcm__fail(r, KVCM_E_CORRUPT, "ring segment %s: corrupt header (capacity %lld)",
-                          r->name, (long long)cap);
+        return kvcm__fail(r, KVCM_E_CORRUPT, "ring segment %s: corrupt header (capacity %llu)",
+                          r->name, (unsigned long long)cap);
     if (size < KVCM_HEADER_SIZE + cap * KVCM_SLOT_SIZE)
-        return kvcm__fail(r, KVCM_E_CORRUPT, "ring segment %s: too small for capacity %lld",
-                          r->name, (long long)cap);
+        return kvcm__fail(r, KVCM_E_CORRUPT, "ring segment %s: %zu bytes < capacity %llu",
+                          r->name, size, (unsigned long long)cap);
     if (want_cap && want_cap != cap)
         return kvcm__fail(r, KVCM_E_CAPACITY,
-                          "ring segment %s has capacity %lld, this side asked for another: set "
-                          "the same ring capacity on both sides", r->name, (long long)cap);
+                          "ring segment %s has capacity %llu, this side asked for %llu: set the "
+                          "same ring capacity on both sides", r->name, (unsigned long long)cap,
+                          (unsigned long long)want_cap);
     r->hdr = h;
     r->cap = cap;
     r->mask = cap - 1;
@@ -1002,12 +1008,12 @@ static inline int kvcm_ring_attach(const kvcm_descriptor *d, kvcm_ring **out) {
     else
         kvcm_segment_name(d->instance_id, d->dp_rank, r->name, sizeof r->name);
     if (d->ring_capacity_slots && !kvcm__valid_capacity(d->ring_capacity_slots))
-        return kvcm__fail(r, KVCM_E_CONFIG, "ring capacity %s%lld must be a power of two in [8, 2^26]",
-                          "", (long long)d->ring_capacity_slots);
+        return kvcm__fail(r, KVCM_E_CONFIG, "ring capacity %llu must be a power of two in [8, 2^26]",
+                          (unsigned long long)d->ring_capacity_slots);
     size_t jn = kvcm__descriptor_json(d, json, KVCM_DESCRIPTOR_MAX);
     if (jn == (size_t)-1)
-        return kvcm__fail(r, KVCM_E_CONFIG, "descriptor is longer than %s%lld bytes", "",
-                          (long long)KVCM_DESCRIPTOR_MAX);
+        return kvcm__fail(r, KVCM_E_CONFIG, "descriptor is longer than max %u bytes",
+                          KVCM_DESCRIPTOR_MAX);
     int rc = kvcm__map(r, d->ring_capacity_slots);
     if (rc) {
         kvcm__unmap(r);
@@ -1019,8 +1025,8 @@ static inline int kvcm_ring_attach(const kvcm_descriptor *d, kvcm_ring **out) {
     if (KVCM__LOAD(&h[KVCM_W_PRODUCER_STATE], KVCM__ACQ) == KVCM_PRODUCER_ATTACHED &&
         other != (int64_t)getpid() && h[KVCM_W_PIDNS] == pidns && kvcm__pid_alive(other)) {
         kvcm__unmap(r);
-        return kvcm__fail(r, KVCM_E_CONFLICT, "ring %s already has a live producer pid=%lld", r->name,
-                          (long long)other);
+        return kvcm__fail(r, KVCM_E_CONFLICT, "ring %s already has a live producer pid=%lld",
+                          r->name, (long long)other);
     }
     r->boot_id = kvcm__random64();
     r->tail = KVCM__LOAD(&h[KVCM_W_TAIL], KVCM__RLX);

@@ -260,7 +260,7 @@ def test_c_header_refuses_a_newer_layout(engine: Path, ring_name: str) -> None:
         _refused(engine, ring_name, KVCM_E_LAYOUT, "upgrade the sidecar image first")
         assert int(seg.hdr[L.W_TAIL]) == 0 and int(seg.hdr[L.W_BOOT_ID]) == 0
         seg.hdr[L.W_VERSION_SLOT] = L.LAYOUT_VERSION | (24 << 32)
-        _refused(engine, ring_name, KVCM_E_LAYOUT, "slot size 24")
+        _refused(engine, ring_name, KVCM_E_LAYOUT, "ring slot size 24 != 32: layout mismatch")
     finally:
         seg.close()
 
@@ -274,7 +274,7 @@ def test_c_header_refuses_a_corrupt_header(engine: Path, ring_name: str) -> None
         seg.hdr[L.W_CAPACITY] = 17
         _refused(engine, ring_name, KVCM_E_CORRUPT, "corrupt header (capacity 17)")
         seg.hdr[L.W_CAPACITY] = 1 << 20  # more slots than the file holds
-        _refused(engine, ring_name, KVCM_E_CORRUPT, "too small")
+        _refused(engine, ring_name, KVCM_E_CORRUPT, "4608 bytes < capacity 1048576")
     finally:
         seg.close()
 
@@ -282,7 +282,7 @@ def test_c_header_refuses_a_corrupt_header(engine: Path, ring_name: str) -> None
 def test_c_header_refuses_another_capacity(engine: Path, ring_name: str) -> None:
     seg = Segment(ring_name, 32)  # the engine asks for 16
     try:
-        _refused(engine, ring_name, KVCM_E_CAPACITY, "same ring capacity on both sides")
+        _refused(engine, ring_name, KVCM_E_CAPACITY, "has capacity 32, this side asked for 16: set")
     finally:
         seg.close()
 
