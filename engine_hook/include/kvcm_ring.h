@@ -15,6 +15,18 @@
  * Memory ordering uses the GCC/Clang __atomic builtins with the order stated at each store, so
  * it is correct on weakly ordered CPUs (aarch64) as well as x86-64 (where release/acquire
  * compile to plain moves).
+ *
+ * Use (docs/ring.md, "C and C++ producers", has a complete program):
+ *   kvcm_descriptor d; kvcm_ring *ring;
+ *   kvcm_descriptor_init(&d); kvcm_descriptor_from_env(&d); d.instance_id = "...";
+ *   if (kvcm_ring_attach(&d, &ring) != KVCM_OK) log(kvcm_ring_reason(ring)); // keeps running
+ *   kvcm_ring_set_snapshot(ring, enumerate_my_cache, ctx);  // C engines must enumerate
+ *   kvcm_ring_start_thread(ring);                           // optional
+ *   kvcm_ring_stored(ring, keys, n, group, medium);  kvcm_ring_removed(...);  kvcm_ring_cleared(ring);
+ *   kvcm_ring_poll(ring);                                   // once per engine step
+ *   kvcm_ring_stats(ring, &stats);  kvcm_ring_close(ring);  kvcm_ring_free(ring);
+ * Calls on one handle must not run concurrently (one engine thread, or the engine's lock);
+ * poll and the helper thread may overlap with them.
  */
 #ifndef KVCM_RING_H
 #define KVCM_RING_H
@@ -661,7 +673,8 @@ static inline int kvcm__add_medium(const char *s, size_t n, void *ctx) {
     kvcm_ring *r = t->r;
     if (memchr(s, '#', n) || n >= sizeof r->mediums[0]) {
         snprintf(t->err, t->errlen, "medium '%.*s': must be a non-empty name without '#'%s",
-                 (int)(n > 80 ? 80 : n), s, n >= sizeof r->mediums[0] ? " (C: at most 63 bytes)" : "");
+                 (int)(n > 80 ? 80 : n), s,
+                 n >= sizeof r->mediums[0] ? " (C: at most 63 bytes)" : "");
         return -1;
     }
     for (int i = 0; i < r->nmediums; i++)
@@ -705,14 +718,18 @@ static inline int kvcm__validate(const kvcm_descriptor *d, kvcm_ring *r, char *e
         snprintf(err, len, "%s must be >= 0", d->dp_rank < 0 ? "dp_rank" : "tp_rank");
         return -1;
     }
-    const char *pos = d->tp_size <= 0 ? "tp_size" : d->dp_size <= 0 ? "dp_size"
-                    : d->pp_size <= 0 ? "pp_size" : d->block_size_tokens <= 0 ? "block_size_tokens" : 0;
+    const char *pos = d->tp_size <= 0             ? "tp_size"
+                      : d->dp_size <= 0           ? "dp_size"
+                      : d->pp_size <= 0           ? "pp_size"
+                      : d->block_size_tokens <= 0 ? "block_size_tokens"
+                                                  : 0;
     if (pos) {
         snprintf(err, len, "%s must be > 0", pos);
         return -1;
     }
     int bad = d->n_groups <= 0;
-    for (int i = 0; i < d->n_groups && i < KVCM_MAX_GROUPS; i++) bad |= d->group_block_bytes[i] <= 0;
+    for (int i = 0; i < d->n_groups && i < KVCM_MAX_GROUPS; i++)
+        bad |= d->group_block_bytes[i] <= 0;
     if (bad) {
         snprintf(err, len, "group_block_bytes must list one positive size per cache group");
         return -1;
@@ -1008,7 +1025,8 @@ static inline int kvcm_ring_attach(const kvcm_descriptor *d, kvcm_ring **out) {
     else
         kvcm_segment_name(d->instance_id, d->dp_rank, r->name, sizeof r->name);
     if (d->ring_capacity_slots && !kvcm__valid_capacity(d->ring_capacity_slots))
-        return kvcm__fail(r, KVCM_E_CONFIG, "ring capacity %llu must be a power of two in [8, 2^26]",
+        return kvcm__fail(r, KVCM_E_CONFIG,
+                          "ring capacity %llu must be a power of two in [8, 2^26]",
                           (unsigned long long)d->ring_capacity_slots);
     size_t jn = kvcm__descriptor_json(d, json, KVCM_DESCRIPTOR_MAX);
     if (jn == (size_t)-1)
@@ -1270,8 +1288,10 @@ static inline int kvcm__snap_ensure(kvcm_ring *r, uint64_t entries) {
     struct stat st;
     size_t want = KVCM_SNAP_HEADER_SIZE + (size_t)cap * KVCM_SNAP_ENTRY_BYTES;
     int ok = fchmod(fd, 0600) == 0 && fstat(fd, &st) == 0;
-    if (ok && (size_t)st.st_size < want) ok = ftruncate(fd, (off_t)want) == 0 && fstat(fd, &st) == 0;
-    void *m = ok ? mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+    if (ok && (size_t)st.st_size < want)
+        ok = ftruncate(fd, (off_t)want) == 0 && fstat(fd, &st) == 0;
+    void *m = MAP_FAILED;
+    if (ok) m = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
     if (m == MAP_FAILED) return -1;
     r->snap_map = m;
@@ -1332,7 +1352,8 @@ static inline void kvcm__answer(kvcm_ring *r, uint64_t req) {
     KVCM__STORE(&h[KVCM_W_SNAP_COUNT], n, KVCM__RLX);
     KVCM__STORE(&h[KVCM_W_SNAP_DROPPED], dropped, KVCM__RLX);
     KVCM__STORE(&h[KVCM_W_SNAP_BOOT_ID], r->boot_id, KVCM__RLX);
-    KVCM__STORE(&h[KVCM_W_SNAP_BYTES], KVCM_SNAP_HEADER_SIZE + cap * KVCM_SNAP_ENTRY_BYTES, KVCM__RLX);
+    KVCM__STORE(&h[KVCM_W_SNAP_BYTES], KVCM_SNAP_HEADER_SIZE + cap * KVCM_SNAP_ENTRY_BYTES,
+                KVCM__RLX);
     KVCM__STORE(&h[KVCM_W_SNAP_STATUS], (uint64_t)KVCM_SNAP_OK, KVCM__RLX);
     /* release, last: the entries and every word above are visible before the answer */
     KVCM__STORE(&h[KVCM_W_SNAP_RESP], req, KVCM__REL);

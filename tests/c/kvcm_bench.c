@@ -4,8 +4,8 @@
  *
  * Every 16384 events the bench moves the ring's head to its tail (what a reader's skip does,
  * two 8-byte accesses), so every measured call finds free slots: the cost of publishing, not
- * of dropping; the ring (default 65536 slots, 2 MiB) stays cache-warm as in a running engine. Used by
- * bench/hotpath_c.py, which also runs it under strace to count syscalls per event.
+ * of dropping; the ring (default 65536 slots, 2 MiB) stays cache-warm as in a running engine.
+ * Used by bench/hotpath_c.py, which also runs it under strace to count syscalls per event.
  */
 #include "kvcm_ring.h"
 

@@ -3,9 +3,9 @@
  *   kvcm_test_engine cache RING INSTANCE CAPACITY SEED THREAD   (end-to-end tests)
  *     stdin: {"op":"work","n":N} | {"op":"flood","n":N} | {"op":"truth"} | {"op":"exit"}
  *     stdout: {"ready":...} once attached, then one {"published":[...],"stats":{...}} per line
- *   kvcm_test_engine ops RING CAPACITY                           (conformance with the Python hook)
+ *   kvcm_test_engine ops RING CAPACITY                (conformance with the Python hook)
  *     stdin: "stored G M K..." | "removed G M K..." | "cleared" | "poll" | "stats" | "close"
- *   kvcm_test_engine env                                          (descriptor from KV_CACHE_EVENT_*)
+ *   kvcm_test_engine env                              (descriptor from KV_CACHE_EVENT_*)
  *
  * THREAD 1 runs the helper thread; 0 polls stdin with a 2 ms timeout and calls kvcm_ring_poll.
  * The cache holds (key -> group mask) for groups 0 and 1 in an open-addressing table; a key is
@@ -78,7 +78,8 @@ static int snapshot_cb(void *ctx, kvcm_snapshot *snap) {
     int rc = 0;
     pthread_mutex_lock(&t->mu);
     for (size_t i = 0; i < t->cap && rc == 0; i++)
-        if (t->e[i].used && t->e[i].mask) rc = kvcm_snapshot_add(snap, t->e[i].key, t->e[i].mask, t->e[i].medium);
+        if (t->e[i].used && t->e[i].mask)
+            rc = kvcm_snapshot_add(snap, t->e[i].key, t->e[i].mask, t->e[i].medium);
     pthread_mutex_unlock(&t->mu);
     return rc;
 }
@@ -110,7 +111,8 @@ static void print_published(table *t, kvcm_ring *r) {
     size_t n = 0;
     pthread_mutex_lock(&t->mu);
     for (size_t i = 0; i < t->cap; i++)
-        if (t->e[i].used && t->e[i].medium == 0 && (t->e[i].mask & 3u) == 3u) keys[n++] = t->e[i].key;
+        if (t->e[i].used && t->e[i].medium == 0 && (t->e[i].mask & 3u) == 3u)
+            keys[n++] = t->e[i].key;
     pthread_mutex_unlock(&t->mu);
     qsort(keys, n, sizeof *keys, cmp_i64);
     printf("{\"published\":[");
@@ -217,7 +219,8 @@ static int cache_mode(char **argv) {
                 }
                 uint64_t prefix = rnd() % 12, len = 8 + rnd() % 32, tail = rnd() % 8;
                 for (uint64_t j = 0; j < len; j++) keys[k++] = (int64_t)mix(prefix * 1000 + j);
-                for (uint64_t j = 0; j < tail; j++) keys[k++] = (int64_t)mix(1u << 20 | (rnd() % 4000));
+                for (uint64_t j = 0; j < tail; j++)
+                    keys[k++] = (int64_t)mix(1u << 20 | (rnd() % 4000));
                 report(r, &t, KVCM_KIND_STORED, 0, keys, k);
                 report(r, &t, KVCM_KIND_STORED, 1, keys, k < 6 ? k : 6); /* a sliding window */
                 if (k > 6) report(r, &t, KVCM_KIND_STORED, 1, keys + 6, k - 6);
@@ -272,7 +275,9 @@ static int ops_mode(char **argv) {
         char op[16] = {0};
         int group = 0, medium = 0, used = 0;
         sscanf(line, "%15s%n", op, &used);
-        int kind = !strcmp(op, "stored") ? KVCM_KIND_STORED : !strcmp(op, "removed") ? KVCM_KIND_REMOVED : 0;
+        int kind = !strcmp(op, "stored")    ? KVCM_KIND_STORED
+                   : !strcmp(op, "removed") ? KVCM_KIND_REMOVED
+                                            : 0;
         if (kind) {
             int64_t keys[4096];
             size_t n = 0;
@@ -289,8 +294,10 @@ static int ops_mode(char **argv) {
             for (size_t i = 0; i < n && group >= 0 && group < 2 && medium >= 0 && medium < 3; i++)
                 apply(&t, kind, group, medium, keys[i]);
             pthread_mutex_unlock(&t.mu);
-            if (kind == KVCM_KIND_STORED) kvcm_ring_stored(r, n == 1 ? &keys[0] : keys, n, group, medium);
-            else kvcm_ring_removed(r, keys, n, group, medium);
+            if (kind == KVCM_KIND_STORED)
+                kvcm_ring_stored(r, keys, n, group, medium);
+            else
+                kvcm_ring_removed(r, keys, n, group, medium);
         } else if (!strcmp(op, "cleared")) {
             pthread_mutex_lock(&t.mu);
             apply(&t, KVCM_KIND_CLEARED, 0, 0, 0);
