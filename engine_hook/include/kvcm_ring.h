@@ -22,7 +22,8 @@
  *   if (kvcm_ring_attach(&d, &ring) != KVCM_OK) log(kvcm_ring_reason(ring)); // keeps running
  *   kvcm_ring_set_snapshot(ring, enumerate_my_cache, ctx);  // C engines must enumerate
  *   kvcm_ring_start_thread(ring);                           // optional
- *   kvcm_ring_stored(ring, keys, n, group, medium);  kvcm_ring_removed(...);  kvcm_ring_cleared(ring);
+ *   kvcm_ring_stored(ring, keys, n, group, medium);  kvcm_ring_removed(...);
+ *   kvcm_ring_cleared(ring);
  *   kvcm_ring_poll(ring);                                   // once per engine step
  *   kvcm_ring_stats(ring, &stats);  kvcm_ring_close(ring);  kvcm_ring_free(ring);
  * Calls on one handle must not run concurrently (one engine thread, or the engine's lock);
