@@ -537,3 +537,48 @@ def test_c_header_links_into_several_translation_units(tmp_path: Path, ring_name
     srcs = [str(tmp_path / "a.c"), str(tmp_path / "main.c")]
     subprocess.run([*argv, *srcs, "-o", str(exe), "-pthread"], check=True, capture_output=True)
     assert subprocess.run([str(exe), ring_name], check=False).returncode == 0
+
+
+def test_c_header_repairs_a_half_initialised_segment(engine: Path, ring_name: str) -> None:
+    """A creator that died after sizing the file but before the magic: the attacher initialises."""
+    fd = os.open("/dev/shm" + ring_name, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, L.segment_bytes(16))
+    os.close(fd)
+    ops = Ops(engine, ring_name)
+    try:
+        assert ops.ready["code"] == KVCM_OK
+        ops("stored 0 0 1")
+        seg = Segment(ring_name)
+        assert seg.capacity == 16 and int(seg.hdr[L.W_TAIL]) == 1
+        seg.close()
+    finally:
+        ops.close()
+
+
+def test_c_header_racing_creators_agree_on_one_valid_segment(engine: Path, ring_name: str) -> None:
+    """C producers and a Python attacher started together on a fresh name: one valid header."""
+    procs = [
+        subprocess.Popen(
+            [str(engine), "ops", ring_name, "16"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    seg = Segment(ring_name, 16)
+    codes = []
+    for p in procs:
+        assert p.stdout is not None and p.stdin is not None
+        codes.append(json.loads(p.stdout.readline())["code"])
+        p.stdin.close()
+    for p in procs:
+        assert p.wait(timeout=10) == 0
+        assert p.stdout is not None
+        p.stdout.close()
+    try:
+        assert KVCM_OK in codes and set(codes) <= {KVCM_OK, KVCM_E_CONFLICT, -6}, codes  # -6 busy
+        assert seg.capacity == 16 and int(seg.hdr[L.W_MAGIC]) == L.MAGIC
+        assert int(seg.hdr[L.W_VERSION_SLOT]) == L.LAYOUT_VERSION | (L.SLOT_SIZE << 32)
+    finally:
+        seg.close()
