@@ -20,6 +20,9 @@ C_DIR = Path(__file__).resolve().parent / "c"
 CACHE = Path(tempfile.gettempdir()) / "kvcm-test-c"
 C_FLAGS = ("-std=c99", "-Wall", "-Wextra", "-Werror", "-pedantic")
 CXX_FLAGS = ("-std=c++17", "-Wall", "-Wextra", "-Werror")
+# What stricter engine builds turn on: the header's bodies compile in the engine's own units.
+STRICT = ("-Wshadow", "-Wconversion", "-Wsign-conversion", "-Wcast-qual")
+STRICT_CXX = (*STRICT, "-Wpedantic", "-Wzero-as-null-pointer-constant")
 
 
 def _names(cxx: bool) -> tuple[str, ...]:

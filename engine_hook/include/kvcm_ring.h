@@ -723,7 +723,7 @@ static inline int kvcm__validate(const kvcm_descriptor *d, kvcm_ring *r, char *e
                       : d->dp_size <= 0           ? "dp_size"
                       : d->pp_size <= 0           ? "pp_size"
                       : d->block_size_tokens <= 0 ? "block_size_tokens"
-                                                  : 0;
+                                                  : NULL;
     if (pos) {
         snprintf(err, len, "%s must be > 0", pos);
         return -1;
@@ -776,7 +776,7 @@ static inline const char *kvcm__gate(const kvcm_descriptor *d, char *buf, size_t
     }
     if (d->cp_sharded_kv) return "KV cache is sharded across context-parallel ranks";
     if (!d->prefix_reuse) return "prefix reuse is disabled, so no block can be reused";
-    return 0;
+    return NULL;
 }
 
 /* ---- segment name (layout.segment_name): /kvcm.<safe id[:64]>.<sha1(id)[:10]>.dp<rank> -- */

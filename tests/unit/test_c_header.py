@@ -109,6 +109,11 @@ def test_c_header_compiles_as_pedantic_c99_and_as_cxx17(engine: Path) -> None:
     assert cbuild.build("kvcm_test_engine.c", opt="-O0").exists()
 
 
+def test_c_header_compiles_under_stricter_engine_warnings() -> None:
+    assert cbuild.build("kvcm_test_engine.c", extra=cbuild.STRICT).exists()
+    assert cbuild.build("kvcm_test_engine.c", cxx=True, extra=cbuild.STRICT_CXX).exists()
+
+
 def test_c_header_declares_exactly_the_public_names() -> None:
     text = cbuild.HEADER.read_text()
     returns = {"kvcm_ring_attach": "int", "kvcm_ring_poll": "int"}
