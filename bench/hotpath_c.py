@@ -1,16 +1,8 @@
-"""What does reporting a cache transition cost a C/C++ engine? kvcm_ring.h beside the Python hook.
+"""What does reporting a transition cost a C/C++ engine? kvcm_ring.h beside the Python hook.
 
-Compiles tests/c/kvcm_bench.c (gcc -O2, the header as shipped) and reports, best of `--reps`:
-  kvcm_ring_stored(one key)                ns per event   (goal <= 10 ns)
-  kvcm_ring_removed(one key)               ns per event
-  kvcm_ring_stored(1024-key array)         ns per key     (goal <= 2 ns)
-  kvcm_ring_poll() with nothing pending    ns per call    (once per engine step)
-then the same binary under `strace -f -c` (if strace exists): syscalls per event, against a run
-with zero events (attach and close only), which should be 0. The Python hook is measured in the
-same run (bench.hotpath.bench_hook) so the ratios hold on a noisy machine. Writes
-bench/results/hotpath_c.json.
-
-    python -m bench.hotpath_c [--events N] [--reps N]
+Compiles tests/c/kvcm_bench.c (gcc -O2) and reports ns per single event (goal <= 10), per key in
+1024-key arrays (goal <= 2) and per poll(), syscalls per event under strace (goal 0), and the
+Python hook in the same run; JSON to bench/results/hotpath_c.json. `python -m bench.hotpath_c`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The C producer (kvcm_ring.h) and the Python hook, fed the same operations, write the same ring.
 
-Each example drives the Python hook in this process and tests/c/kvcm_test_engine.c (ops mode)
-as a separate process with one operation sequence: stores and removes over groups and mediums
-(bad ones included), clears, partial drains by a reader (so the ring wraps and the producer
-reloads the head), overflow of a 16-slot ring and snapshot exchanges. After every step the
-records read from both rings (seq, kind, group, medium, key) and the drop counts are equal; at
-the end every header word other than ids and times is equal, descriptor bytes included.
+Hypothesis drives both (the C one as a process) with stores/removes over groups and mediums, bad
+ones included, clears, partial drains (wrap, head reloads), overflow and snapshots; after every
+step both rings give the same records and drops, at the end the same header words and bytes.
 """
 
 from __future__ import annotations
