@@ -1437,6 +1437,8 @@ static inline int kvcm_ring_start_thread(kvcm_ring *r) {
 }
 
 /* ---- introspection and shutdown ------------------------------------------------------- */
+/* Copy the counters into *out (the strings stay owned by the handle). Call it where the
+ * publishing calls are made (the engine thread or under its lock). */
 static inline void kvcm_ring_stats(const kvcm_ring *r, kvcm_stats *out) {
     if (!r) {
         memset(out, 0, sizeof *out);
