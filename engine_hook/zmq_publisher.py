@@ -1084,11 +1084,10 @@ class PublisherProcess:
     and raises PublisherError on {"ok": false}. `ready` holds the endpoints it printed."""
 
     def __init__(self, *, timeout: float = 30.0, **cfg: Any) -> None:
-        argv = [sys.executable, "-m", "engine_hook.zmq_publisher", *self.args(**cfg)]
-        root = Path(__file__).resolve().parent.parent
-        self.p = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root
-        )
+        # Run the file itself, not `-m engine_hook.zmq_publisher`: the package's __init__ would
+        # import numpy and the ring for nothing (this module needs neither) and double the start.
+        argv = [sys.executable, str(Path(__file__).resolve()), *self.args(**cfg)]
+        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         self.ready = self._recv(timeout)
