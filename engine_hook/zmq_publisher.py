@@ -382,21 +382,14 @@ class Publisher:
         extra: dict[str, Any] | None = None,
     ) -> list[int]:
         """Add a BlockStored to the current step; returns the keys (codec applied)."""
-        hs = [self._hash(h) for h in hashes]
-        if not hs:
-            raise PublisherError("a BlockStored needs at least one block hash")
-        self._check_place(medium, group)
+        hs = self._event_hashes(hashes, "BlockStored", medium, group)
         p = None if parent is None else self._hash(parent)
         bs = self.cfg.block_size if block_size is None else block_size
         if token_ids is None:
             token_ids = _TOKENS[: len(hs) * bs]
         ev = self._schema.stored(hs, p, token_ids, bs, lora_id, medium, group)
-        if extra:
-            ev = _with_extra(ev, extra, self._schema.array_like)
-        keys = [key_of(h) for h in hs]
-        counted = bs == self.cfg.block_size and (medium is None or medium in KNOWN_MEDIUMS)
-        self._add(ev, ("s", medium or "GPU", group or 0, keys) if counted else None, len(hs))
-        return keys
+        counted = bs == self.cfg.block_size
+        return self._add_blocks(ev, extra, "s", medium, group, hs, counted)
 
     def remove(
         self,
@@ -407,16 +400,34 @@ class Publisher:
         extra: dict[str, Any] | None = None,
     ) -> list[int]:
         """Add a BlockRemoved (one physical block per hash) to the current step."""
+        hs = self._event_hashes(hashes, "BlockRemoved", medium, group)
+        ev = self._schema.removed(hs, medium, group)
+        return self._add_blocks(ev, extra, "r", medium, group, hs, True)
+
+    def _event_hashes(
+        self, hashes: Iterable[Any], what: str, medium: str | None, group: int | None
+    ) -> list[int | bytes]:
         hs = [self._hash(h) for h in hashes]
         if not hs:
-            raise PublisherError("a BlockRemoved needs at least one block hash")
+            raise PublisherError(f"a {what} needs at least one block hash")
         self._check_place(medium, group)
-        ev = self._schema.removed(hs, medium, group)
+        return hs
+
+    def _add_blocks(
+        self,
+        ev: Any,
+        extra: dict[str, Any] | None,
+        op: str,
+        medium: str | None,
+        group: int | None,
+        hs: list[int | bytes],
+        counted: bool,
+    ) -> list[int]:
         if extra:
             ev = _with_extra(ev, extra, self._schema.array_like)
         keys = [key_of(h) for h in hs]
-        counted = medium is None or medium in KNOWN_MEDIUMS
-        self._add(ev, ("r", medium or "GPU", group or 0, keys) if counted else None, len(hs))
+        counted = counted and (medium is None or medium in KNOWN_MEDIUMS)
+        self._add(ev, (op, medium or "GPU", group or 0, keys) if counted else None, len(hs))
         return keys
 
     def clear(self) -> None:
@@ -1054,16 +1065,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except zmq.ZMQError as exc:
         sys.stderr.write(f"zmq_publisher: cannot open sockets: {exc}\n")
         return 1
-    ready = {"ready": True, "pid": os.getpid(), **pub.endpoints}
-    ready.update(
-        flavour=cfg.flavour,
-        hash_kind=cfg.hash_kind,
-        encoding=cfg.encoding,
-        topic=cfg.topic,
-        dp_rank=cfg.dp_rank,
-        block_size=cfg.block_size,
-        buffer_steps=cfg.buffer_steps,
-    )
+    # The effective config, then the endpoints as bound (`bind` as decided, ports resolved).
+    ready = {"ready": True, "pid": os.getpid(), **msgspec.structs.asdict(cfg), **pub.endpoints}
     sys.stdout.write(json.dumps(ready) + "\n")
     sys.stdout.flush()
     try:
