@@ -392,6 +392,39 @@ def test_zmq_publisher_workload_stream_folds_to_truth(spawn: Spawn) -> None:
     assert {m for _, m, _ in truth} == {"GPU", "CPU", "STORAGE"}
 
 
+def test_zmq_publisher_burst_workload_sends_everything_and_folds_to_truth(spawn: Spawn) -> None:
+    pp, sub = spawn()
+    r = pp.call("workload", wait=True, events=2000, burst=True, batch_events=16, seed=3)
+    w = r["workload"]
+    assert w["send_s"] > 0
+    assert w["bytes"] > 0
+    counts: dict[tuple[int, str, int], int] = {}
+    for i in range(w["steps"]):
+        f = sub.recv()
+        assert seq_of(f) == i
+        fold(counts, decode(f), vllm=True)
+    assert counts == truth_counts(pp)
+    assert pp.call("store", n=1, step=True)["seq"] == w["steps"]
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ({"events": 0, "burst": True}, "burst needs"),
+        ({"dup_prob": 2.0}, "dup_prob"),
+        ({"speed": 1}, "speed"),
+        ({"groups": [1]}, None),
+    ],
+)
+def test_zmq_publisher_bad_workload_is_refused_before_it_starts(
+    spawn: Spawn, args: dict[str, Any], match: str | None
+) -> None:
+    pp, _ = spawn(flavour="sglang")
+    with pytest.raises(PublisherError, match=match or "carry no group"):
+        pp.call("workload", **args)
+    assert pp.call("stats")["workload_running"] is False
+
+
 def test_zmq_publisher_workload_runs_until_stop_and_counts_cpu(spawn: Spawn) -> None:
     pp, _ = spawn()
     assert pp.call("workload", events=0, rate=50_000, seed=1)["started"] is True
