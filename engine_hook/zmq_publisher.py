@@ -344,7 +344,8 @@ class Publisher:
 
     # --- engine side ------------------------------------------------------------------------
 
-    def _hash(self, h: Any) -> int | bytes:
+    def normalize_hash(self, h: Any) -> int | bytes:
+        """A block hash of this publisher's kind (bytes also from hex, or an int as 32 bytes)."""
         if self.cfg.hash_kind == "int":
             if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h <= _M64:
                 raise PublisherError(f"block hash {h!r} is not an unsigned 64-bit int")
@@ -387,7 +388,7 @@ class Publisher:
     ) -> list[int]:
         """Add a BlockStored to the current step; returns the keys (codec applied)."""
         hs = self._event_hashes(hashes, "BlockStored", medium, group)
-        p = None if parent is None else self._hash(parent)
+        p = None if parent is None else self.normalize_hash(parent)
         bs = self.cfg.block_size if block_size is None else block_size
         if token_ids is None:
             token_ids = _TOKENS[: len(hs) * bs]
@@ -411,7 +412,7 @@ class Publisher:
     def _event_hashes(
         self, hashes: Iterable[Any], what: str, medium: str | None, group: int | None
     ) -> list[int | bytes]:
-        hs = [self._hash(h) for h in hashes]
+        hs = [self.normalize_hash(h) for h in hashes]
         if not hs:
             raise PublisherError(f"a {what} needs at least one block hash")
         self._check_place(medium, group)
@@ -916,7 +917,7 @@ class _Server:
         hs: list[Any] = list(hashes or [])
         if n:
             hs += self.pub.new_hashes(n, self._rng)
-        norm = [self.pub._hash(h) for h in hs]
+        norm = [self.pub.normalize_hash(h) for h in hs]
         keys = self.pub.store(norm, **kw)
         return {"hashes": [_hash_json(h) for h in norm], "keys": keys, **self._maybe_step(step)}
 

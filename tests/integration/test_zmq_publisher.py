@@ -203,6 +203,10 @@ def test_zmq_publisher_bad_command_replies_error_and_continues(spawn: Spawn) -> 
 
 def test_zmq_publisher_frames_are_topic_seq_payload_with_seq_from_0(spawn: Spawn) -> None:
     pp, sub = spawn(topic="kv@pod@m", dp_rank=0)
+    assert pp.ready["flavour"] == "vllm"
+    assert pp.ready["topic"] == "kv@pod@m"
+    assert pp.ready["pub"].startswith("tcp://127.0.0.1:")
+    assert not pp.ready["pub"].endswith("*")
     for i in range(3):
         assert pp.call("store", n=2, step=True)["seq"] == i
     frames = [sub.recv() for _ in range(3)]
