@@ -1,10 +1,9 @@
-"""A vLLM/SGLang-compatible ZMQ KV-event publisher: the engine side of the ZMQ source's tests.
-
-Imports stdlib, msgspec and pyzmq; engine_hook/__init__.py never imports it (a test checks that
-`import engine_hook` loads no zmq). Threads as in vLLM: the engine thread builds typed event
-structs per step and Queue.puts the batch; one publisher thread owns the sockets, assigns seq
-(per life, from 0), msgpacks, sends and serves replay. `truth()` is what a correct sidecar holds.
-Process mode (`python -m engine_hook.zmq_publisher`): see `serve()` below and docs/zmq.md.
+"""A vLLM/SGLang-compatible ZMQ KV-event publisher: the engine in the ZMQ source's tests and demo.
+Imports stdlib, msgspec, pyzmq; engine_hook/__init__.py never imports it (tested: `import
+engine_hook` loads no zmq). As in vLLM, the engine thread Queue.puts one batch of typed structs
+per step; one publisher thread owns the sockets, assigns seq (from 0 per life), msgpacks, sends
+and serves replay. `truth()` is what a correct sidecar holds. Process mode and its JSON-lines
+protocol: `serve()` below and docs/zmq.md.
 """
 
 from __future__ import annotations
