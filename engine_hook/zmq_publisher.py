@@ -590,12 +590,16 @@ class Publisher:
 
     def close(self) -> None:
         """Send what is queued (bounded), stop the thread, close the sockets."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=5.0)
         if self._health is not None:
             self._health.shutdown()
             self._health.server_close()
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=5.0)
+        if self._thread.is_alive():
+            # Sockets are not thread-safe: leave them to the daemon thread and process exit.
+            log.warning("publisher thread still busy after 5 s; sockets left open")
+            return
         self._ctx.destroy(linger=0)
 
     def __enter__(self) -> Publisher:
