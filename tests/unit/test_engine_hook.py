@@ -339,8 +339,21 @@ def test_snapshot_from_a_producer_without_mediums_reads_as_medium_0(ring_name: s
     )
     assert snapshot.poll(seg, req).mediums.tolist() == [2, 1]  # type: ignore[union-attr]
     assert w._mm is not None
-    np.ndarray((8,), np.uint64, buffer=w._mm)[L.SW_FLAGS] = 0  # as an older producer leaves it
+    hv = np.ndarray((8,), np.uint64, buffer=w._mm)
+    hv[L.SW_FLAGS] = 0  # as a producer from before mediums leaves a fresh segment
+    seg.hdr[L.W_SNAP_BYTES] = L.snapshot_bytes(int(hv[L.SW_CAPACITY]), 0)
     snap = snapshot.poll(seg, req)
     assert snap is not None and snap.keys.tolist() == [7, 8] and snap.mediums.tolist() == [0, 0]
+    # An engine rolled back to such a producer after a newer one wrote the segment: the flags
+    # word is stale, but the answer's size (12-byte entries, its own capacity) tells.
+    hv[L.SW_FLAGS] = L.SNAP_FLAG_MEDIUMS
+    old_cap = (int(seg.hdr[L.W_SNAP_BYTES]) - L.SNAP_HEADER_SIZE) // 12
+    hv[L.SW_CAPACITY] = old_cap
+    seg.hdr[L.W_SNAP_BYTES] = L.snapshot_bytes(old_cap, 0)
+    np.ndarray((2,), np.uint32, buffer=w._mm, offset=L.SNAP_HEADER_SIZE + 8 * old_cap)[:] = 1
+    snap = snapshot.poll(seg, req)
+    assert snap is not None and snap.keys.tolist() == [7, 8] and snap.mediums.tolist() == [0, 0]
+    assert snap.masks.tolist() == [1, 1]
+    del hv
     w.close()
     seg.close()
