@@ -62,10 +62,12 @@ def build(
     out = CACHE / f"{src.stem}-{'cxx' if cxx else 'c'}-{digest.hexdigest()[:12]}"
     if not out.exists():
         CACHE.mkdir(exist_ok=True)
+        CACHE.chmod(0o755)  # a test runs a binary as another user (no-permission attach)
         tmp = out.with_suffix(".tmp")
         argv = [cc, *lang, *flags, f"-I{INCLUDE}", str(src), "-o", str(tmp), "-pthread"]
         res = subprocess.run(argv, capture_output=True, text=True, check=False)
         if res.returncode != 0:
             raise AssertionError(f"compile failed: {' '.join(argv)}\n{res.stderr}")
+        tmp.chmod(0o755)
         tmp.rename(out)
     return out
