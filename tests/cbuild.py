@@ -8,6 +8,7 @@ a test session compiles each at most once; without a compiler a test skips with 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import tempfile
@@ -63,7 +64,7 @@ def build(
     if not out.exists():
         CACHE.mkdir(exist_ok=True)
         CACHE.chmod(0o755)  # a test runs a binary as another user (no-permission attach)
-        tmp = out.with_suffix(".tmp")
+        tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")  # parallel sessions share CACHE
         argv = [cc, *lang, *flags, f"-I{INCLUDE}", str(src), "-o", str(tmp), "-pthread"]
         res = subprocess.run(argv, capture_output=True, text=True, check=False)
         if res.returncode != 0:
