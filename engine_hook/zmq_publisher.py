@@ -1,10 +1,9 @@
-"""A vLLM/SGLang-compatible ZMQ KV-event publisher: the engine side of the ZMQ source's tests.
-
-Imports stdlib, msgspec and pyzmq; engine_hook/__init__.py never imports it (a test checks that
-`import engine_hook` loads no zmq). Threads as in vLLM: the engine thread builds typed event
-structs per step and Queue.puts the batch; one publisher thread owns the sockets, assigns seq
-(per life, from 0), msgpacks, sends and serves replay. `truth()` is what a correct sidecar holds.
-Process mode (`python -m engine_hook.zmq_publisher`): see `serve()` below and docs/zmq.md.
+"""A vLLM/SGLang-compatible ZMQ KV-event publisher: the engine in the ZMQ source's tests and demo.
+Imports stdlib, msgspec, pyzmq; engine_hook/__init__.py never imports it (tested: `import
+engine_hook` loads no zmq). As in vLLM, the engine thread Queue.puts one batch of typed structs
+per step; one publisher thread owns the sockets, assigns seq (from 0 per life), msgpacks, sends
+and serves replay. `truth()` is what a correct sidecar holds. Process mode and its JSON-lines
+protocol: `serve()` below and docs/zmq.md.
 """
 
 from __future__ import annotations
@@ -309,7 +308,10 @@ class Publisher:
             "bind": self.bind,
         }
         # Engine side (callers' threads), under _lock.
-        self._lock = threading.Lock()
+        # Re-entrant: a burst workload holds it from generation to hand-off, so no other step
+        # can slip in between and the seqs it counted stay the ones the thread assigns.
+        self._lock = threading.RLock()
+        self._collect: list[Any] | None = None
         self._pending: list[Any] = []
         self._pending_truth: list[tuple[str, str, int, list[int]] | None] = []
         self._counts: dict[tuple[int, str, int], int] = {}
@@ -333,6 +335,7 @@ class Publisher:
         self.stats_replay_requests = 0
         self.stats_replay_batches = 0
         self.stats_replay_ignored = 0
+        self.last_burst_send_s = 0.0
         self._subscribers = 0
         self._sub_cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="zmq-publisher", daemon=True)
@@ -340,7 +343,8 @@ class Publisher:
 
     # --- engine side ------------------------------------------------------------------------
 
-    def _hash(self, h: Any) -> int | bytes:
+    def normalize_hash(self, h: Any) -> int | bytes:
+        """A block hash of this publisher's kind (bytes also from hex, or an int as 32 bytes)."""
         if self.cfg.hash_kind == "int":
             if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h <= _M64:
                 raise PublisherError(f"block hash {h!r} is not an unsigned 64-bit int")
@@ -382,21 +386,14 @@ class Publisher:
         extra: dict[str, Any] | None = None,
     ) -> list[int]:
         """Add a BlockStored to the current step; returns the keys (codec applied)."""
-        hs = [self._hash(h) for h in hashes]
-        if not hs:
-            raise PublisherError("a BlockStored needs at least one block hash")
-        self._check_place(medium, group)
-        p = None if parent is None else self._hash(parent)
+        hs = self._event_hashes(hashes, "BlockStored", medium, group)
+        p = None if parent is None else self.normalize_hash(parent)
         bs = self.cfg.block_size if block_size is None else block_size
         if token_ids is None:
             token_ids = _TOKENS[: len(hs) * bs]
         ev = self._schema.stored(hs, p, token_ids, bs, lora_id, medium, group)
-        if extra:
-            ev = _with_extra(ev, extra, self._schema.array_like)
-        keys = [key_of(h) for h in hs]
-        counted = bs == self.cfg.block_size and (medium is None or medium in KNOWN_MEDIUMS)
-        self._add(ev, ("s", medium or "GPU", group or 0, keys) if counted else None, len(hs))
-        return keys
+        counted = bs == self.cfg.block_size
+        return self._add_blocks(ev, extra, "s", medium, group, hs, counted)
 
     def remove(
         self,
@@ -407,16 +404,34 @@ class Publisher:
         extra: dict[str, Any] | None = None,
     ) -> list[int]:
         """Add a BlockRemoved (one physical block per hash) to the current step."""
-        hs = [self._hash(h) for h in hashes]
-        if not hs:
-            raise PublisherError("a BlockRemoved needs at least one block hash")
-        self._check_place(medium, group)
+        hs = self._event_hashes(hashes, "BlockRemoved", medium, group)
         ev = self._schema.removed(hs, medium, group)
+        return self._add_blocks(ev, extra, "r", medium, group, hs, True)
+
+    def _event_hashes(
+        self, hashes: Iterable[Any], what: str, medium: str | None, group: int | None
+    ) -> list[int | bytes]:
+        hs = [self.normalize_hash(h) for h in hashes]
+        if not hs:
+            raise PublisherError(f"a {what} needs at least one block hash")
+        self._check_place(medium, group)
+        return hs
+
+    def _add_blocks(
+        self,
+        ev: Any,
+        extra: dict[str, Any] | None,
+        op: str,
+        medium: str | None,
+        group: int | None,
+        hs: list[int | bytes],
+        counted: bool,
+    ) -> list[int]:
         if extra:
             ev = _with_extra(ev, extra, self._schema.array_like)
         keys = [key_of(h) for h in hs]
-        counted = medium is None or medium in KNOWN_MEDIUMS
-        self._add(ev, ("r", medium or "GPU", group or 0, keys) if counted else None, len(hs))
+        counted = counted and (medium is None or medium in KNOWN_MEDIUMS)
+        self._add(ev, (op, medium or "GPU", group or 0, keys) if counted else None, len(hs))
         return keys
 
     def clear(self) -> None:
@@ -448,7 +463,11 @@ class Publisher:
             seq = self._next_seq
             self._next_seq += 1
             self.events_queued += len(events)
-            self._queue.put(self._schema.batch(time.time(), events, rank))
+            batch = self._schema.batch(time.time(), events, rank)
+            if self._collect is not None:
+                self._collect.append(batch)
+            else:
+                self._queue.put(batch)
             return seq
 
     def _apply(self, op: str, medium: str, group: int, keys: list[int]) -> None:
@@ -571,12 +590,16 @@ class Publisher:
 
     def close(self) -> None:
         """Send what is queued (bounded), stop the thread, close the sockets."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=5.0)
         if self._health is not None:
             self._health.shutdown()
             self._health.server_close()
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=5.0)
+        if self._thread.is_alive():
+            # Sockets are not thread-safe: leave them to the daemon thread and process exit.
+            log.warning("publisher thread still busy after 5 s; sockets left open")
+            return
         self._ctx.destroy(linger=0)
 
     def __enter__(self) -> Publisher:
@@ -605,15 +628,17 @@ class Publisher:
             if type(item) is _Ctl:
                 self._control(item, enc)
                 continue
-            seq = self._seq
-            self._seq = seq + 1
-            payload = enc.encode(item)
-            if self._skip:
-                self._skipped(seq, payload)
-                continue
-            pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
-            self._buffer.append((seq, payload))
-            self.stats_sent += 1
+            self._send(pub, topic, enc.encode(item))
+
+    def _send(self, pub: zmq.Socket[bytes], topic: bytes, payload: bytes) -> None:
+        seq = self._seq
+        self._seq = seq + 1
+        if self._skip:
+            self._skipped(seq, payload)
+            return
+        pub.send_multipart((topic, seq.to_bytes(8, "big"), payload))
+        self._buffer.append((seq, payload))
+        self.stats_sent += 1
 
     def _skipped(self, seq: int, payload: bytes) -> None:
         self._skip -= 1
@@ -642,6 +667,12 @@ class Publisher:
             self._buffer.clear()
         elif item.kind == "malformed":
             self._send_malformed(*item.args, enc=enc)
+        elif item.kind == "burst":
+            (payloads,) = item.args
+            t0 = time.perf_counter()
+            for payload in payloads:
+                self._send(self._pub, self._topic, payload)
+            self.last_burst_send_s = time.perf_counter() - t0
         if item.done is not None:
             item.done.set()
 
@@ -706,40 +737,46 @@ class Publisher:
 
     # --- workload ---------------------------------------------------------------------------
 
-    def workload(
-        self,
-        *,
-        events: int = 10_000,
-        rate: float = 0.0,
-        batch_events: int = 8,
-        blocks_per_event: int = 4,
-        mediums: Sequence[str] | None = None,
-        groups: Sequence[int] = (0,),
-        dup_prob: float = 0.1,
-        remove_prob: float = 0.4,
-        max_held: int = 10_000,
-        seed: int = 0,
-        truth: bool = True,
-        stop: threading.Event | None = None,
-    ) -> dict[str, Any]:
-        """Random stores/removes (with duplicate stores of held hashes) over several mediums.
-        `events` counts block events (hashes), 0 = until `stop`; `rate` is block events/s, 0 =
-        as fast as the engine thread goes. Removes only hit held blocks, one count each."""
-        rng = random.Random(seed)
-        meds = list(mediums or MEDIUMS[self.cfg.flavour][:2])
-        for m in meds:
-            self._check_place(m, 0)
-        for g in groups:
-            self._check_place("GPU", g)
-        places = [(m, g) for m in meds for g in groups]
-        held: dict[tuple[str, int], list[int | bytes]] = {p: [] for p in places}
-        n_held = 0
-        if not truth:
+    def workload(self, spec: Workload, stop: threading.Event | None = None) -> dict[str, Any]:
+        """Run `spec` on the calling thread (the engine thread); returns what it did."""
+        self.check_workload(spec)
+        if not spec.truth:
             with self._lock:
                 self.truth_valid = False
-        stop = stop or threading.Event()
-        schema, bs = self._schema, self.cfg.block_size
-        tokens = _TOKENS[: blocks_per_event * bs]
+        if not spec.burst:
+            return self._generate(spec, stop or threading.Event())
+        with self._lock:
+            self._collect = []
+            try:
+                out = self._generate(spec, stop or threading.Event())
+                batches = self._collect
+            finally:
+                self._collect = None
+            enc = msgspec.msgpack.Encoder()
+            payloads = [enc.encode(b) for b in batches]
+            done = threading.Event()
+            self._queue.put(_Ctl("burst", payloads, done=done))
+        if not done.wait(600):
+            raise TimeoutError("burst was not sent within 600 s")
+        out["send_s"] = self.last_burst_send_s
+        out["bytes"] = sum(len(p) for p in payloads)
+        return out
+
+    def check_workload(self, spec: Workload) -> None:
+        """Raise PublisherError if this publisher's encoding cannot carry the spec's places."""
+        for m in spec.mediums or ():
+            self._check_place(m, 0)
+        for g in spec.groups:
+            self._check_place("GPU", g)
+
+    def _generate(self, w: Workload, stop: threading.Event) -> dict[str, Any]:
+        rng = random.Random(w.seed)
+        meds = list(w.mediums or MEDIUMS[self.cfg.flavour][:2])
+        places = [(m, g) for m in meds for g in w.groups]
+        held: dict[tuple[str, int], list[int | bytes]] = {p: [] for p in places}
+        n_held = 0
+        schema, bs, n_blocks = self._schema, self.cfg.block_size, w.blocks_per_event
+        tokens = _TOKENS[: n_blocks * bs]
         fresh = (
             (lambda: rng.getrandbits(64))
             if self.cfg.hash_kind == "int"
@@ -748,13 +785,13 @@ class Publisher:
         done = steps = 0
         t0 = time.monotonic()
         cpu0 = time.thread_time()
-        while (events == 0 or done < events) and not stop.is_set():
-            for _ in range(batch_events):
+        while (w.events == 0 or done < w.events) and not stop.is_set():
+            for _ in range(w.batch_events):
                 m, g = places[rng.randrange(len(places))]
                 lst = held[(m, g)]
-                if lst and (n_held >= max_held or rng.random() < remove_prob):
+                if lst and (n_held >= w.max_held or rng.random() < w.remove_prob):
                     hs: list[int | bytes] = []
-                    for _ in range(min(blocks_per_event, len(lst))):
+                    for _ in range(min(n_blocks, len(lst))):
                         i = rng.randrange(len(lst))
                         lst[i], lst[-1] = lst[-1], lst[i]
                         hs.append(lst.pop())
@@ -763,15 +800,17 @@ class Publisher:
                     op = "r"
                 else:
                     hs = [
-                        lst[rng.randrange(len(lst))] if lst and rng.random() < dup_prob else fresh()
-                        for _ in range(blocks_per_event)
+                        lst[rng.randrange(len(lst))]
+                        if lst and rng.random() < w.dup_prob
+                        else fresh()
+                        for _ in range(n_blocks)
                     ]
                     lst.extend(hs)
                     n_held += len(hs)
                     parent = lst[-len(hs) - 1] if len(lst) > len(hs) else None
                     ev = schema.stored(hs, parent, tokens[: len(hs) * bs], bs, None, m, g)
                     op = "s"
-                delta = (op, m, g, [key_of(h) for h in hs]) if truth else None
+                delta = (op, m, g, [key_of(h) for h in hs]) if w.truth else None
                 with self._lock:
                     self._pending.append(ev)
                     self._pending_truth.append(delta)
@@ -779,18 +818,48 @@ class Publisher:
                 done += len(hs)
             self.step()
             steps += 1
-            if rate > 0:
-                ahead = done / rate - (time.monotonic() - t0)
+            if w.rate > 0:
+                ahead = done / w.rate - (time.monotonic() - t0)
                 if ahead > 0:
                     stop.wait(ahead)
-        elapsed = time.monotonic() - t0
         return {
             "block_events": done,
             "steps": steps,
-            "elapsed_s": elapsed,
+            "elapsed_s": time.monotonic() - t0,
             "engine_thread_cpu_s": time.thread_time() - cpu0,
             "held": n_held,
         }
+
+
+class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Random stores/removes (duplicate stores of held hashes included) over several mediums.
+    `events` counts block events (hashes), 0 = until stopped; `rate` is block events/s, 0 = as
+    fast as the engine thread goes. Removes only hit held blocks, one count each. `burst`:
+    generate and encode every batch first, then send them flat out, timed as `send_s` (for a
+    consumer's benchmark, so the send rate is not bounded by generating)."""
+
+    events: int = 10_000
+    rate: float = 0.0
+    batch_events: int = 8
+    blocks_per_event: int = 4
+    mediums: list[str] | None = None
+    groups: list[int] = msgspec.field(default_factory=lambda: [0])
+    dup_prob: float = 0.1
+    remove_prob: float = 0.4
+    max_held: int = 10_000
+    seed: int = 0
+    truth: bool = True
+    burst: bool = False
+
+    def __post_init__(self) -> None:
+        if self.events < 0 or self.rate < 0:
+            raise ValueError("events and rate must be >= 0")
+        if self.batch_events < 1 or self.blocks_per_event < 1 or not self.groups:
+            raise ValueError("batch_events and blocks_per_event must be >= 1, groups non-empty")
+        if not (0 <= self.dup_prob <= 1 and 0 <= self.remove_prob <= 1):
+            raise ValueError("dup_prob and remove_prob must be in [0, 1]")
+        if self.burst and (self.events == 0 or self.rate > 0):
+            raise ValueError("burst needs events > 0 and rate 0")
 
 
 # --- process mode ---------------------------------------------------------------------------
@@ -851,7 +920,7 @@ class _Server:
         hs: list[Any] = list(hashes or [])
         if n:
             hs += self.pub.new_hashes(n, self._rng)
-        norm = [self.pub._hash(h) for h in hs]
+        norm = [self.pub.normalize_hash(h) for h in hs]
         keys = self.pub.store(norm, **kw)
         return {"hashes": [_hash_json(h) for h in norm], "keys": keys, **self._maybe_step(step)}
 
@@ -920,15 +989,20 @@ class _Server:
     def cmd_workload(self, wait: bool = False, **kw: Any) -> dict[str, Any]:
         if self._wl is not None and self._wl.is_alive():
             raise PublisherError("a workload is already running (send stop first)")
-        kw.pop("stop", None)
         self._wl_stop = threading.Event()
         self._wl_result = None
         self._wl_error = None
 
+        try:
+            spec = msgspec.convert(kw, Workload)
+        except msgspec.ValidationError as exc:
+            raise PublisherError(f"workload: {exc}") from None
+        self.pub.check_workload(spec)
+
         def run() -> None:
             try:
-                self._wl_result = self.pub.workload(stop=self._wl_stop, **kw)
-            except (PublisherError, TypeError, ValueError) as exc:
+                self._wl_result = self.pub.workload(spec, self._wl_stop)
+            except (PublisherError, TimeoutError) as exc:
                 self._wl_error = f"{type(exc).__name__}: {exc}"
 
         self._wl = threading.Thread(target=run, name="engine-workload", daemon=True)
@@ -984,7 +1058,7 @@ def serve(pub: Publisher, inp: Any = None, out: Any = None) -> None:
       wait_subscribers {n=1, timeout_s=10}                        -> {subscribers}
       stats    {}                                                 -> counters, cpu_s, ...
       workload {events, rate, batch_events, blocks_per_event, mediums, groups, dup_prob,
-                remove_prob, max_held, seed, truth, wait?=false}  -> {started} | {workload}
+                remove_prob, max_held, seed, truth, burst, wait?=false} -> {started} | {workload}
       stop     {}                                       -> {workload} (stops and joins it)
       quit     {}                                                 -> {} and exit 0
     """
@@ -1054,16 +1128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except zmq.ZMQError as exc:
         sys.stderr.write(f"zmq_publisher: cannot open sockets: {exc}\n")
         return 1
-    ready = {"ready": True, "pid": os.getpid(), **pub.endpoints}
-    ready.update(
-        flavour=cfg.flavour,
-        hash_kind=cfg.hash_kind,
-        encoding=cfg.encoding,
-        topic=cfg.topic,
-        dp_rank=cfg.dp_rank,
-        block_size=cfg.block_size,
-        buffer_steps=cfg.buffer_steps,
-    )
+    # The effective config, then the endpoints as bound (`bind` as decided, ports resolved).
+    ready = {"ready": True, "pid": os.getpid(), **msgspec.structs.asdict(cfg), **pub.endpoints}
     sys.stdout.write(json.dumps(ready) + "\n")
     sys.stdout.flush()
     try:
@@ -1084,11 +1150,10 @@ class PublisherProcess:
     and raises PublisherError on {"ok": false}. `ready` holds the endpoints it printed."""
 
     def __init__(self, *, timeout: float = 30.0, **cfg: Any) -> None:
-        argv = [sys.executable, "-m", "engine_hook.zmq_publisher", *self.args(**cfg)]
-        root = Path(__file__).resolve().parent.parent
-        self.p = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root
-        )
+        # Run the file itself, not `-m engine_hook.zmq_publisher`: the package's __init__ would
+        # import numpy and the ring for nothing (this module needs neither) and double the start.
+        argv = [sys.executable, str(Path(__file__).resolve()), *self.args(**cfg)]
+        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         self.ready = self._recv(timeout)

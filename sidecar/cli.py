@@ -9,6 +9,8 @@ Subcommands:
   demo          the whole system on this machine, with a fault and a consistency check
                 (--source zmq: vLLM-format ZMQ engines instead of the ring)
   kvcm-server   run the KVCM-compatible event-report server (stand-in manager)
+  include-dir   print the directory of kvcm_ring.h, the C/C++ producer header
+                (build with -I$(kvcm-sidecar include-dir))
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="ring",
         help="ring: engine_hook engines; zmq: vLLM-format ZMQ KV-event engines (2 ranks)",
     )
+    sub.add_parser("include-dir", help="print the directory of kvcm_ring.h (C/C++ producers)")
     s = sub.add_parser("kvcm-server", help="run the KVCM-compatible event-report server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--meta-port", type=int, default=6382, help="0 picks a free port")
@@ -161,6 +164,13 @@ async def run_kvcm_server(args: argparse.Namespace) -> None:
 EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_BUSY, EXIT_RING = 0, 1, 2, 3, 4
 
 
+def include_dir() -> Path:
+    """Where the installed (or source-tree) engine_hook keeps kvcm_ring.h."""
+    import engine_hook
+
+    return Path(engine_hook.__file__).resolve().parent / "include"
+
+
 def load_config(args: argparse.Namespace) -> Config:
     overrides: dict[str, str] = {}
     for item in args.set:
@@ -205,6 +215,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command is None:
         parser.print_help()
         sys.exit(EXIT_CONFIG)
+    if args.command == "include-dir":
+        sys.stdout.write(f"{include_dir()}\n")
+        sys.exit(EXIT_OK)
     import uvloop
 
     if args.command == "demo":
