@@ -55,6 +55,10 @@ METRICS: dict[str, tuple[str, str]] = {
         "New engine incarnations seen on the ring (engine restarts).",
     ),
     "kvcm_sidecar_engine_anomalies": ("counter", "Ring records rejected as torn or foreign."),
+    "kvcm_sidecar_ring_unknown_medium_records": (
+        "counter",
+        "Ring records and snapshot entries dropped: medium index outside the medium table.",
+    ),
     "kvcm_sidecar_zmq_batches": (
         "counter",
         "ZMQ event batches by outcome (applied, replayed, duplicate, dp_rank, malformed).",
@@ -106,6 +110,7 @@ RING_ONLY = frozenset(
         "kvcm_sidecar_ring_dropped_records",
         "kvcm_sidecar_records_read",
         "kvcm_sidecar_engine_anomalies",
+        "kvcm_sidecar_ring_unknown_medium_records",
     }
 )
 ZMQ_ONLY = frozenset(name for name in METRICS if name.startswith("kvcm_sidecar_zmq_"))
@@ -195,6 +200,7 @@ class _PublisherCollector(Collector):
             yield counter("kvcm_sidecar_ring_dropped_records", int(hdr[L.W_DROPPED]))
             yield counter("kvcm_sidecar_records_read", reader.records_read)
             yield counter("kvcm_sidecar_engine_anomalies", src.sync.anomalies)
+            yield counter("kvcm_sidecar_ring_unknown_medium_records", src.sync.unknown_medium)
         elif isinstance(src, ZmqSource):
             yield from _zmq_families(src)
         resyncs = CounterMetricFamily(

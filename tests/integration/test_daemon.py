@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -307,3 +309,37 @@ async def test_daemon_started_before_engine_waits_then_converges(h: Harness) -> 
     await h.converge()
     assert (await h.status())["state"] == "READY"
     assert side.p.poll() is None
+
+
+async def test_e2e_ring_mediums_kvcm_holds_each_key_per_medium(h: Harness) -> None:
+    """The ring carries each record's medium index; KVCM's (key, medium) pairs == the engine's,
+    also after the sidecar restarts and resyncs from the engine's snapshot (medium column)."""
+    from tests.proc import EngineProc
+
+    async def pairs() -> set[tuple[int, str]]:
+        r = await h.reporter()
+        return {(int(k), m) for k, m in r["visible"]} if r else set()
+
+    async def converge(want: set[tuple[int, str]]) -> None:
+        deadline = time.monotonic() + 20
+        while (seen := await pairs()) != want:
+            assert time.monotonic() < deadline, (len(want - seen), len(seen - want))
+            await asyncio.sleep(0.02)  # polling another process's state, bounded by deadline
+
+    eng = EngineProc("tiers", {"ring": h.ring, "instance_id": h.instance_id, "seed": 3})
+    try:
+        eng.recv()
+        side = h.start_sidecar()
+        eng.send(json.dumps({"op": "work", "n": 3000}))
+        held = {(k, m) for k, m in eng.recv()["held"]}
+        assert {m for _, m in held} == {"hbm", "mem", "disk"}
+        await converge(held)
+        side.kill()  # the restarted sidecar resyncs from the hook's resident set
+        eng.send(json.dumps({"op": "work", "n": 500}))
+        held = {(k, m) for k, m in eng.recv()["held"]}
+        h.start_sidecar()
+        await converge(held)
+        r = await h.reporter()
+        assert r is not None and set(r["mediums"]) >= {"hbm", "mem", "disk"}
+    finally:
+        eng.close()
