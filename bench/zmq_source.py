@@ -18,6 +18,7 @@ msgspec decode into dicts, each hash counted in a Python dict keyed by (key, med
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -26,6 +27,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -220,13 +222,24 @@ def _until(url: str, pred: Any, timeout_s: float = 120.0) -> dict[str, Any]:
         time.sleep(0.01)  # polling another process, bounded by the deadline
 
 
-def end_to_end(base: str, batches: list[bytes], blocks: int, tmp: str) -> dict[str, float]:
+@contextlib.contextmanager
+def _running(base: str, tmp: str) -> Iterator[tuple[Blaster, Child, str]]:
+    """A blaster and a `kvcm-sidecar run` subscribed to it, READY; stopped afterwards."""
     b = Blaster()
     side = _sidecar(base, b, tmp)
     try:
         url = _status_url(side)
         b.wait_subscriber()
         _until(url, lambda s: s["state"] == "READY")
+        yield b, side, url
+    finally:
+        side.p.terminate()
+        side.p.wait(timeout=20)
+        b.close()
+
+
+def end_to_end(base: str, batches: list[bytes], blocks: int, tmp: str) -> dict[str, float]:
+    with _running(base, tmp) as (b, side, url):
         cpu0, _ = _proc_stats(side.p.pid)
         t0 = time.monotonic()
         b.send(batches)
@@ -237,20 +250,16 @@ def end_to_end(base: str, batches: list[bytes], blocks: int, tmp: str) -> dict[s
         elapsed = time.monotonic() - t0
         cpu1, _ = _proc_stats(side.p.pid)
         delta_keys = _delta_keys(url)
-        return {
-            "e2e_block_events": float(blocks),
-            "e2e_seconds": elapsed,
-            "e2e_block_events_per_s": blocks / elapsed,
-            "e2e_key_changes_sent": float(delta_keys),
-            "e2e_key_changes_per_s": delta_keys / elapsed,
-            "e2e_sidecar_cpu_s": cpu1 - cpu0,
-            "e2e_sidecar_cpu_s_per_million_block_events": (cpu1 - cpu0) / blocks * 1e6,
-            "e2e_forgets": float(sum(st.get("zmq_forgets", {}).values())),
-        }
-    finally:
-        side.p.terminate()
-        side.p.wait(timeout=20)
-        b.close()
+    return {
+        "e2e_block_events": float(blocks),
+        "e2e_seconds": elapsed,
+        "e2e_block_events_per_s": blocks / elapsed,
+        "e2e_key_changes_sent": float(delta_keys),
+        "e2e_key_changes_per_s": delta_keys / elapsed,
+        "e2e_sidecar_cpu_s": cpu1 - cpu0,
+        "e2e_sidecar_cpu_s_per_million_block_events": (cpu1 - cpu0) / blocks * 1e6,
+        "e2e_forgets": float(sum(st.get("zmq_forgets", {}).values())),
+    }
 
 
 def _delta_keys(status_url: str) -> float:
@@ -263,21 +272,12 @@ def _delta_keys(status_url: str) -> float:
 
 
 def idle(base: str, seconds: float, tmp: str) -> dict[str, float]:
-    b = Blaster()
-    side = _sidecar(base, b, tmp)
-    try:
-        url = _status_url(side)
-        b.wait_subscriber()
-        _until(url, lambda s: s["state"] == "READY")
+    with _running(base, tmp) as (_b, side, _url):
         time.sleep(2.0)  # settle: imports done, first heartbeats sent
         c0, _ = _proc_stats(side.p.pid)
         time.sleep(seconds)  # the measurement window itself
         c1, _ = _proc_stats(side.p.pid)
-        return {"idle_seconds": seconds, "idle_cpu_fraction_of_core": (c1 - c0) / seconds}
-    finally:
-        side.p.terminate()
-        side.p.wait(timeout=20)
-        b.close()
+    return {"idle_seconds": seconds, "idle_cpu_fraction_of_core": (c1 - c0) / seconds}
 
 
 def main() -> None:

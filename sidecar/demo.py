@@ -97,6 +97,26 @@ async def _spawn(
     return proc
 
 
+async def start_kvcm_server(tasks: list[asyncio.Task[None]], *extra: str) -> tuple[Proc, str]:
+    """The KVCM-compatible server (bootstrapped, 1 s snapshot interval) and its URL."""
+    server = await _spawn(
+        "kvcm",
+        PY,
+        "-m",
+        "sidecar.cli",
+        "kvcm-server",
+        "--meta-port",
+        "0",
+        "--bootstrap",
+        "--snapshot-min-interval-ms",
+        "1000",
+        *extra,
+        tasks=tasks,
+    )
+    line = await server.expect(lambda x: isinstance(x, str) and "listening on" in x)
+    return server, line.rsplit(" ", 1)[1]
+
+
 class Demo:
     def __init__(self, duration_s: float, ranks: int, seed: int, out: Any = sys.stdout) -> None:
         self.duration_s = duration_s
@@ -164,23 +184,9 @@ class Demo:
 
     async def _run(self) -> int:
         self.say(f"kvcm-sidecar demo: {self.n} dp ranks, {self.duration_s:.0f} s, seed {self.seed}")
-        self.server = await _spawn(
-            "kvcm",
-            PY,
-            "-m",
-            "sidecar.cli",
-            "kvcm-server",
-            "--meta-port",
-            "0",
-            "--bootstrap",
-            "--snapshot-min-interval-ms",
-            "1000",
-            "--state-file",
-            str(self.tmp / "kvcm.json"),
-            tasks=self.tasks,
+        self.server, self.base = await start_kvcm_server(
+            self.tasks, "--state-file", str(self.tmp / "kvcm.json")
         )
-        line = await self.server.expect(lambda x: isinstance(x, str) and "listening on" in x)
-        self.base = line.rsplit(" ", 1)[1]
         self.say(f"  KVCM-compatible server at {self.base} (bootstrapped group 'default')")
         for rk in self.ranks:
             args = {

@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 
 from engine_hook.zmq_publisher import PublisherProcess
-from sidecar.demo import PY, Proc, _spawn
+from sidecar.demo import PY, Proc, _spawn, start_kvcm_server
 
 KVCM_MEDIUM = {"GPU": "hbm", "CPU": "mem"}
 RATE = 4000.0  # block events/s per engine
@@ -113,21 +113,7 @@ class ZmqDemo:
 
     async def _run(self) -> int:
         self.say(f"kvcm-sidecar demo --source zmq: 2 dp ranks, {self.duration_s:.0f} s")
-        self.server = await _spawn(
-            "kvcm",
-            PY,
-            "-m",
-            "sidecar.cli",
-            "kvcm-server",
-            "--meta-port",
-            "0",
-            "--bootstrap",
-            "--snapshot-min-interval-ms",
-            "1000",
-            tasks=self.tasks,
-        )
-        line = await self.server.expect(lambda x: isinstance(x, str) and "listening on" in x)
-        self.base = line.rsplit(" ", 1)[1]
+        self.server, self.base = await start_kvcm_server(self.tasks)
         self.say(f"  KVCM-compatible server at {self.base}")
         for rk in self.ranks:
             rk.pub = await asyncio.to_thread(

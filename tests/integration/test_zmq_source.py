@@ -96,6 +96,26 @@ class ZmqHarness:
             assert time.monotonic() < deadline, f"status never matched: {json.dumps(st)}"
             await asyncio.sleep(0.02)  # polling another process's state, bounded by deadline
 
+    async def rebuilt(self, later: set[tuple[int, str]], within_s: float = 20.0) -> set[Any]:
+        """After a forget: wait (bounded) until `later` (stored since) is visible; then KVCM
+        must hold nothing the engine does not (the forget dropped what it could not vouch for)."""
+        deadline = time.monotonic() + within_s
+        while not later <= (seen := await self.visible()):
+            assert time.monotonic() < deadline, f"stored-after-forget keys never arrived: {seen}"
+            await asyncio.sleep(0.02)  # polling another process's state, bounded by deadline
+        assert seen <= self.truth()
+        return seen
+
+    async def health_outage(self) -> PublisherProcess:
+        """An engine with a health endpoint, converged, whose health then fails: ENGINE_DOWN."""
+        pub = self.start_engine(health=True)
+        self.start_sidecar()
+        self.workload(500)
+        await self.converge()
+        pub.call("health", ok=False)
+        await self.settle(lambda s: s["state"] == "ENGINE_DOWN")
+        return pub
+
     def workload(self, events: int = 2000, **kw: Any) -> None:
         assert self.pub is not None
         kw.setdefault("mediums", ["GPU", "CPU"])
@@ -159,12 +179,7 @@ async def test_zmq_source_uncovered_gap_forgets_and_rebuilds(z: ZmqHarness) -> N
     pub.call("remove", hashes=first["hashes"][:10], medium="GPU", step=True)
     later = pub.call("store", n=5, medium="CPU", step=True)["keys"]
     st = await z.settle(lambda s: _forgets(s).get("replay_uncovered", 0) >= 1)
-    want_later = {(k, "mem") for k in later}
-    deadline = time.monotonic() + 20
-    while not want_later <= (seen := await z.visible()):
-        assert time.monotonic() < deadline, f"stored-after-forget keys never arrived: {seen}"
-        await asyncio.sleep(0.02)  # polling another process's state, bounded by deadline
-    assert seen <= z.truth()  # nothing the engine dropped stays visible
+    seen = await z.rebuilt({(k, "mem") for k in later})  # nothing the engine dropped stays
     assert not {(k, "hbm") for k in first["keys"][:10]} & seen
     assert st["zmq_gaps"] >= 1
 
@@ -227,11 +242,7 @@ async def test_zmq_source_malformed_frames_and_payloads_never_stop_it(z: ZmqHarn
     pub.call("malformed", kind="field_types", replay_as="same")  # damaged in the buffer too
     later = pub.call("store", n=4, medium="CPU", step=True)["keys"]
     await z.settle(lambda s: _forgets(s).get("malformed_replay", 0) >= 1)
-    deadline = time.monotonic() + 20
-    while not {(k, "mem") for k in later} <= (seen := await z.visible()):
-        assert time.monotonic() < deadline, f"stored-after-forget keys never arrived: {seen}"
-        await asyncio.sleep(0.02)  # polling another process's state, bounded by deadline
-    assert seen <= z.truth()  # the lost batch's changes: forgotten, not guessed
+    await z.rebuilt({(k, "mem") for k in later})  # the lost batch's changes: forgotten
     assert z.h.sidecar is not None and z.h.sidecar.p.poll() is None
 
 
@@ -277,12 +288,7 @@ async def test_zmq_source_engine_restarted_while_sidecar_down_is_caught(z: ZmqHa
 
 
 async def test_zmq_source_health_failing_is_engine_down_then_recovers(z: ZmqHarness) -> None:
-    pub = z.start_engine(health=True)
-    z.start_sidecar()
-    z.workload(500)
-    await z.converge()
-    pub.call("health", ok=False)
-    await z.settle(lambda s: s["state"] == "ENGINE_DOWN")
+    pub = await z.health_outage()
     await z.h.reporter_until(lambda r: not r["visible"])  # HOST_DOWN: KVCM hides our keys
     pub.call("health", ok=True)
     z.workload(200, seed=5)
@@ -324,12 +330,7 @@ async def test_zmq_source_metrics_every_documented_metric_exported(z: ZmqHarness
 async def test_zmq_source_engine_restarted_during_health_outage_is_a_new_life(
     z: ZmqHarness,
 ) -> None:
-    pub = z.start_engine(health=True)
-    z.start_sidecar()
-    z.workload(500)
-    await z.converge()
-    pub.call("health", ok=False)
-    await z.settle(lambda s: s["state"] == "ENGINE_DOWN")
+    pub = await z.health_outage()
     pub.call("restart")  # the engine came back as a new process: empty cache, seq from 0
     z.workload(300, seed=6)
     pub.call("health", ok=True)
