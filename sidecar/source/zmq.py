@@ -50,6 +50,10 @@ F_MALFORMED = "malformed_replay"  # the replayed batch is unreadable too
 F_HELD = "live_backlog"  # too many live batches arrived during one replay
 
 
+class EndpointError(Exception):
+    """The SUB or DEALER socket cannot bind / connect (the sidecar exits 1 and is restarted)."""
+
+
 def digest(payload: bytes) -> bytes:
     return ckpt.digest(payload)
 
@@ -319,11 +323,19 @@ class Stream:
 
     def _drain_held(self, r: _Replay) -> None:
         """The live batches held during the replay, in order; duplicates of replayed skipped."""
+        first = True
         while r.live:
             seq, payload = r.live.popleft()
             if self.expected is not None and seq < self.expected and self.replay is None:
                 self.batches["duplicate"] += 1
                 continue
+            if first and self.expected is not None and seq > self.expected:
+                # The engine replays all it has buffered when it serves the request, which is
+                # after it published the batch that revealed the gap: a hole here is not in
+                # its buffer (or that seq was bogus). Asking again would loop.
+                self.forget(F_UNCOVERED, f"replay ended at {self.expected - 1}, live is at {seq}")
+                self.expected = None
+            first = False
             self.on_live(seq, payload)
             if self.replay is not None:  # another gap: the rest waits for that replay
                 self.replay.live.extend(r.live)
@@ -576,11 +588,19 @@ class ZmqSource:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 0)  # never drop silently in the sidecar: the engine's HWM
         sub.setsockopt(zmq.SUBSCRIBE, self.z.topic.encode())
-        if self.bind:
-            sub.bind(self.z.endpoint)
-        else:
-            sub.connect(connectable(self.z.endpoint))
-        return sub, self._dealer()
+        try:
+            if self.bind:
+                sub.bind(self.z.endpoint)
+            else:
+                sub.connect(connectable(self.z.endpoint))
+            return sub, self._dealer()
+        except zmq.ZMQError as exc:
+            sub.close(0)
+            how = "bind" if self.bind else "connect to"
+            raise EndpointError(
+                f"cannot {how} {self.z.endpoint} ({exc}); source.zmq.bind must be the opposite "
+                "of the engine's: vLLM binds tcp://*:P and ipc:// endpoints, connects otherwise"
+            ) from None
 
     def _dealer(self) -> zmq.asyncio.Socket | None:
         if not self.z.replay_endpoint:

@@ -337,3 +337,18 @@ async def test_zmq_source_engine_restarted_during_health_outage_is_a_new_life(
     await z.converge()  # exactly the new life: nothing of the old one stays in KVCM
     st = await z.settle(lambda s: s["state"] == "READY")
     assert _forgets(st).get("engine_restart", 0) >= 1
+
+
+async def test_zmq_source_endpoint_conflict_exits_1_naming_the_endpoint(z: ZmqHarness) -> None:
+    z.start_engine()  # the engine binds its PUB endpoint
+    assert z.pub is not None
+    settings = {
+        **ZMQ_SETTINGS,
+        "source.zmq.endpoint": z.pub.ready["pub"],
+        "source.zmq.bind": "true",  # wrong: both sides bind
+        "source.state_dir": str(z.state_dir),
+    }
+    side = z.h.start_sidecar(**settings)
+    line = side.wait_line("cannot bind")
+    assert z.pub.ready["pub"] in line and "source.zmq.bind" in line
+    assert side.p.wait(timeout=20) == 1

@@ -280,3 +280,13 @@ def test_zmq_checkpoint_round_trip_and_corruption(tmp_path: Path) -> None:
     with pytest.raises(ckpt.CheckpointError):
         ckpt.load(path, "i", 0, "tcp://e:1")
     assert ckpt.load(str(tmp_path / "none.ckpt"), "i", 0, "tcp://e:1") is None
+
+
+def test_zmq_stream_a_hole_the_replay_did_not_fill_forgets_once_not_forever() -> None:
+    s = stream()
+    s.on_live(0, payload([stored(1)]))
+    s.on_live(1 << 40, payload([stored(2)]))  # a bogus (or unbuffered) seq reveals a "gap"
+    s.on_replayed(0, payload([stored(1)]))
+    s.on_replay_end()  # the engine had nothing after 0: the hole is not in its buffer
+    assert not replaying(s) and s.forgets == {"replay_uncovered": 1}
+    assert published(s) == {2}
