@@ -677,20 +677,41 @@ class ZmqSource:
                 next_ckpt = self.clock() + every
 
     def _read_live(self, sock: zmq.Socket[bytes]) -> None:
+        # pyzmq's recv_multipart asks RCVMORE after every frame (~1 us each): a batch is three
+        # frames, so take three and ask once that the message ended there. A message of
+        # another shape then shows as "more after the third frame" (or no third frame): it and
+        # the rest of what was read with it are skipped and counted; a good batch lost that
+        # way is a seq gap, which the replay repairs.
         s = self.stream
+        recv, more = sock.recv, sock.getsockopt
+        nb, rcvmore = int(zmq.NOBLOCK), int(zmq.RCVMORE)
         for _ in range(DRAIN_BATCHES):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                topic = recv(nb)
             except zmq.Again:
                 return
             self.live_frames += 1
-            if len(frames) != 3 or len(frames[1]) != 8 or frames[1] == END_SEQ:
-                self._bad_frame("frame_shape", len(frames))
+            try:
+                seq_b = recv(nb)
+                payload = recv(nb)
+            except zmq.Again:  # a message of one or two frames, and nothing after it
+                self._bad_frame("frame_shape", 2)
+                return
+            if more(rcvmore):
+                n = 3
+                while more(rcvmore):
+                    recv(nb)
+                    n += 1
+                self._bad_frame("frame_shape", n)
                 continue
-            seq = int.from_bytes(frames[1], "big")
+            if len(seq_b) != 8 or seq_b == END_SEQ:
+                self._bad_frame("frame_shape", 3)
+                continue
+            del topic  # the SUB's prefix filter already matched it
+            seq = int.from_bytes(seq_b, "big")
             if seq > self.highest_seen or seq == 0:
                 self.highest_seen = seq
-            s.on_live(seq, frames[2])
+            s.on_live(seq, payload)
 
     def _read_replies(self, sock: zmq.Socket[bytes]) -> None:
         s = self.stream
