@@ -1,12 +1,9 @@
 """`kvcm-sidecar demo --source zmq`: the demo with vLLM-format ZMQ engines instead of the ring.
 
-Starts the KVCM-compatible server, then per dp rank an engine emulator publishing a vLLM KV-event
-stream (engine_hook.zmq_publisher: rank 0 with int hashes, rank 1 with 32-byte digests, both on
-GPU and CPU) and a sidecar with `source.kind=zmq`; drops batches on rank 0's PUB socket (a gap
-the replay covers) and SIGKILLs rank 1's sidecar mid-run (the restart replays from its
-checkpoint); quiets the engines; then checks, per rank, that KVCM shows exactly the engine's
-(key, medium) truth. Exit 0 only if every rank converged. Imports: stdlib, aiohttp, sidecar,
-engine_hook.zmq_publisher (run as child processes).
+Imports: stdlib, aiohttp, sidecar.demo, engine_hook.zmq_publisher (engines as child processes).
+Rank 0 publishes int hashes, rank 1 32-byte digests, both on GPU and CPU; rank 0 loses batches
+on its PUB socket (the replay covers them), rank 1's sidecar is SIGKILLed and restarted (it
+replays from its checkpoint). Exit 0 only if KVCM shows each engine's (key, medium) truth.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """What is published, what KVCM has confirmed, and the difference between them, per medium.
 
-Imports: numpy + sidecar.shm_ring. Per (key, medium): the cache groups that hold it (from the
-source: ring records, engine snapshots, ZMQ events; published when every required group does),
-whether KVCM has confirmed it (`acked`), and whether it waits in the dirty queue. Sending is
-always "make KVCM's copy equal to the engine's", so retries are idempotent and per-key coalescing
-(last state wins) is free. Each medium (an index into the source's medium table) has its own dense
-numpy columns behind a hash index (shm_ring/key_table.py, ~52 bytes per key, re-indexed in
-bounded steps); every operation works on whole batches.
+Imports: numpy + sidecar.shm_ring. Per (key, medium): the groups that hold it (published when
+every required group does), `acked` (KVCM confirmed it), `queued` (in the dirty queue). Sending
+makes KVCM's copy equal to the engine's, so retries are idempotent and coalescing is free. Each
+medium has dense numpy columns behind a hash index (shm_ring/key_table.py); batches throughout.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Store counts per (key, medium, group): vLLM stores equal hashes once per physical block.
 
-Imports: numpy, key_state. A key is held in a (medium, group) while its count is positive; a
-remove of a count at 0 changes nothing (the count never goes negative: after a forget the
-sidecar sees removes of blocks stored before it). The counts are extra columns (`count<g>`) of
-the key state's per-medium tables, so one hash lookup per key serves both. Folding a batch is
-vectorised: per (key, medium, group), in arrival order, the clamped walk c <- max(0, c + d) ends
-at P - min(-c0, min_k P_k) (P_k the prefix sums of d); only keys whose held state flips change
-the key state, as group bits to set or clear.
+Imports: numpy, key_state. Held while the count is positive; never below 0 (after a forget,
+removes of blocks stored before it arrive). The counts are `count<g>` columns of the key state's
+per-medium tables (one hash lookup serves both); a batch folds vectorised: per key, the clamped
+walk c <- max(0, c + d) ends at P - min(-c0, min_k P_k) (P_k the prefix sums of d).
 """
 
 from __future__ import annotations

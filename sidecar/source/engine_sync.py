@@ -1,10 +1,9 @@
 """Keeps the key state's engine view equal to the engine's truth through drops, gaps, restarts.
 
-Imports: stdlib, numpy, sidecar.shm_ring, key_state. Synchronous: `step()` drains the ring once.
-Records whose medium index lies outside the descriptor's medium table are dropped and counted.
-Recovery (DESIGN §5): request an engine snapshot fenced at sequence S, buffer the records read
-meanwhile, replace the engine view with the snapshot, then apply only records of that
-incarnation with seq > S. Nothing removed before S can come back.
+Imports: stdlib, numpy, sidecar.shm_ring, key_state. `step()` drains the ring once. Recovery
+(DESIGN §5): request an engine snapshot fenced at seq S, buffer what is read meanwhile, replace
+the view with the snapshot, apply only that incarnation's records after S. Records whose medium
+index is outside the descriptor's medium table are dropped and counted.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """A vLLM / SGLang ZMQ KV-event stream as a source: SUB + DEALER replay, counts, checkpoint.
 
 Imports: stdlib, numpy, pyzmq (zmq.asyncio on the daemon's loop), msgspec, key_state, source.*.
-`Stream` is the synchronous core (tests drive it directly): batches are applied in seq order; a
-gap asks for a replay from the last applied seq, whose payload digest must match the one applied
-(so an engine that restarted meanwhile is caught), replayed batches go before the live ones held
-meanwhile, live duplicates are skipped. When the truth cannot be recovered (replay short, silent
-or absent; engine restart; AllBlocksCleared; an unproven checkpoint) the counts are emptied and the
-publisher sends an authoritative snapshot: a forget. Malformed input is counted, never raised.
+`Stream` is the synchronous core (tests drive it): seq order; a gap replays from the last applied
+seq, whose digest must match (else another engine life); when the truth is lost the counts are
+emptied and KVCM gets an authoritative snapshot (a forget). Malformed input is counted, never raised.
 """
 
 from __future__ import annotations

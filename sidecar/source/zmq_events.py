@@ -1,12 +1,9 @@
 """vLLM / SGLang KV-event payloads (msgpack) decoded into per-block arrays; never raises.
 
-Imports: stdlib, numpy, msgspec. A payload is `[ts, events, dp_rank?]`; events are tagged maps
-(`type` = BlockStored | BlockRemoved | AllBlocksCleared, fields by name) or, from older releases,
-positional arrays (the tag first, then the fields in declaration order, trailing ones optional).
-Unknown fields are ignored, absent ones tolerated; block hashes are ints or byte digests, folded
-to their low 64 bits (bytes read big-endian) and kept as int64 bit patterns. Typed decoders are
-tried in turn (the last one that worked first); a payload none of them reads is decoded generically
-so that one event of an unknown type is skipped (counted) rather than failing the whole batch.
+Imports: stdlib, numpy, msgspec. `[ts, events, dp_rank?]`; events are tagged maps (`type`) or,
+from older releases, positional arrays (tag first, trailing fields optional); unknown fields are
+ignored, absent ones tolerated, unknown event types skipped. Hashes (ints or byte digests) keep
+their low 64 bits (bytes big-endian) as int64 patterns; typed decoders first, generic as a fallback.
 """
 
 from __future__ import annotations
