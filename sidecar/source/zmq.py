@@ -3,7 +3,7 @@
 Imports: stdlib, numpy, pyzmq (zmq.asyncio on the daemon's loop), msgspec, key_state, source.*.
 `Stream` is the synchronous core (tests drive it): seq order; a gap replays from the last applied
 seq, whose digest must match (else another engine life); when the truth is lost the counts are
-emptied and KVCM gets an authoritative snapshot (a forget). Malformed input is counted, never raised.
+emptied and KVCM gets an authoritative snapshot (a forget). Bad input is counted, never raised.
 """
 
 from __future__ import annotations
