@@ -141,9 +141,13 @@ class Stream:
         r = self.replay
         if r is not None:
             if len(r.live) >= MAX_HELD_LIVE:
-                self._end_replay()
+                # The replay is not keeping up with the live stream: give up on both, follow
+                # the live stream from here (from this batch on).
+                self.replay = None
+                self.replays["abandoned"] += 1
                 self.forget(F_HELD, f"more than {MAX_HELD_LIVE} live batches during a replay")
                 self.expected = None
+                self.discard_ends += 1
             else:
                 r.live.append((seq, payload))
                 return

@@ -290,3 +290,21 @@ def test_zmq_stream_a_hole_the_replay_did_not_fill_forgets_once_not_forever() ->
     s.on_replay_end()  # the engine had nothing after 0: the hole is not in its buffer
     assert not replaying(s) and s.forgets == {"replay_uncovered": 1}
     assert published(s) == {2}
+
+
+def test_zmq_stream_a_replay_outrun_by_the_live_stream_is_abandoned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sidecar.source import zmq as Z
+
+    monkeypatch.setattr(Z, "MAX_HELD_LIVE", 3)
+    s = stream()
+    s.on_live(0, payload([stored(1)]))
+    for seq in range(2, 6):  # a gap, then more live batches than may be held
+        s.on_live(seq, payload([stored(seq)]))
+    assert not replaying(s) and s.forgets == {"live_backlog": 1}
+    assert published(s) == {5} and s.expected == 6
+    s.on_replayed(0, payload([stored(1)]))  # the old reply, still coming: ignored
+    s.on_replay_end()
+    s.on_live(6, payload([stored(6)]))
+    assert published(s) == {5, 6} and s.forgets == {"live_backlog": 1}
