@@ -45,7 +45,7 @@ MEDIUMS = {"GPU": 0, "CPU": 1}
 EVENTS_PER_BATCH = 8  # one engine step
 BLOCKS_PER_EVENT = 4
 BLOCK_SIZE = 16
-FLUSH_EVERY = 256  # batches folded together: what one feed-loop turn of the daemon reads at ~1 M/s
+FLUSH_EVERY = 1024  # batches folded together: what one feed-loop turn of the daemon reads at load
 
 
 def payloads(

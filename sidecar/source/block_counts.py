@@ -87,8 +87,20 @@ class BlockCounts:
         self._apply_one(0, 0, keys, signs)
 
     def _apply_one(self, medium: int, group: int, keys: np.ndarray, signs: np.ndarray) -> None:
-        order = np.argsort(keys, kind="stable")  # by key, arrival order kept within a key
+        # By key, arrival order kept within a key. An unstable sort costs ~40 % of a stable
+        # one here; only the runs of keys that repeat in this batch (few) are then put back in
+        # arrival order among themselves (they already sit where their key belongs).
+        order = np.argsort(keys)
         k = keys[order]
+        repeat = k[1:] == k[:-1]
+        if repeat.any():
+            in_run = np.zeros(len(k), np.bool_)
+            in_run[1:] = repeat
+            in_run[:-1] |= repeat
+            at = np.flatnonzero(in_run)
+            o = order[at]
+            order[at] = o[np.lexsort((o, keys[o]))]
+            k = keys[order]
         d = signs[order].astype(np.int64)
         first = np.ones(len(k), np.bool_)
         first[1:] = k[1:] != k[:-1]
