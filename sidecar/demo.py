@@ -24,47 +24,11 @@ from typing import Any
 import aiohttp
 
 from engine_hook.simulator import prompts
+from sidecar.child import Proc
+from sidecar.child import spawn as _spawn
 from sidecar.shm_ring.segment import unlink
 
 PY = sys.executable
-
-
-@dataclass
-class Proc:
-    name: str
-    p: asyncio.subprocess.Process
-    lines: asyncio.Queue[dict[str, Any] | str] = field(default_factory=asyncio.Queue)
-    last: dict[str, Any] = field(default_factory=dict)
-
-    async def pump(self) -> None:
-        assert self.p.stdout is not None
-        async for raw in self.p.stdout:
-            text = raw.decode(errors="replace").strip()
-            try:
-                obj = json.loads(text)
-            except ValueError:
-                obj = text
-            if isinstance(obj, dict) and obj.get("stats"):
-                self.last = obj
-            else:
-                await self.lines.put(obj)
-
-    async def expect(self, pred: Any, within_s: float = 30.0) -> Any:
-        async with asyncio.timeout(within_s):
-            while True:
-                item = await self.lines.get()
-                if pred(item):
-                    return item
-
-    async def send(self, text: str) -> None:
-        assert self.p.stdin is not None
-        self.p.stdin.write((text + "\n").encode())
-        await self.p.stdin.drain()
-
-    async def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.p.returncode is None:
-            self.p.send_signal(sig)
-        return await asyncio.wait_for(self.p.wait(), 15)
 
 
 @dataclass
@@ -76,22 +40,6 @@ class Rank:
     sidecar: Proc | None = None
     metrics_port: int = 0
     final: dict[str, Any] = field(default_factory=dict)
-
-
-async def _spawn(
-    name: str, *argv: str, env: dict[str, str] | None = None, tasks: list[asyncio.Task[None]]
-) -> Proc:
-    p = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env=env,
-        limit=64 * 1024 * 1024,  # the engine's final line lists every published key
-    )
-    proc = Proc(name, p)
-    tasks.append(asyncio.create_task(proc.pump()))  # cancelled in run()'s finally
-    return proc
 
 
 class Demo:
