@@ -78,6 +78,7 @@ class PrefillEngine:
         self.last_end = 0.0
         self.t0 = time.monotonic()
         self.speed = 1.0
+        self.evictions_before = 0  # the cache's count when this run began
 
     def now_v(self) -> float:
         return (time.monotonic() - self.t0) * self.speed
@@ -127,6 +128,7 @@ class PrefillEngine:
         elif op == "epoch":  # a new run: its trace time 0 is wall t0 (CLOCK_MONOTONIC)
             self.t0, self.speed = float(msg["t0"]), float(msg["speed"])
             self.last_end = 0.0
+            self.evictions_before = self.cache.evictions
             _emit({"ev": "epoch"})
         elif op == "reset":
             self.advance(float("inf"))
@@ -141,7 +143,7 @@ class PrefillEngine:
                 {
                     "ev": "dump",
                     "published": [str(k) for k in pub],
-                    "evictions": self.cache.evictions,
+                    "evictions": self.cache.evictions - self.evictions_before,
                     "dropped": self.hook.stats()["dropped"],
                 }
             )

@@ -118,7 +118,7 @@ def table(doc: dict[str, Any]) -> str:
     if doc.get("kvcm_view_mismatch_share") is not None:
         rows.append(
             "  kvcm: KVCM's prefix for the chosen host differed from the engine's in "
-            f"{doc['kvcm_view_mismatch_share']:.1%} of decisions"
+            f"{doc['kvcm_view_mismatch_share']:.2%} of decisions"
         )
     return "\n".join(rows)
 
@@ -135,7 +135,8 @@ def plot(runs: Sequence[PolicyRun], theoretical: float, path: Path) -> bool:
     fig, (cdf, bars) = plt.subplots(1, 2, figsize=(11, 4.2))
     for r in runs:
         t = r.ttfts()
-        cdf.plot(t, [(i + 1) / len(t) for i in range(len(t))], label=r.name)
+        style = "--" if r.name == "oracle" else "-"  # kvcm and oracle may overlap
+        cdf.plot(t, [(i + 1) / len(t) for i in range(len(t))], style, label=r.name)
     cdf.set_xscale("log")
     cdf.set_xlabel("TTFT (s, trace time)")
     cdf.set_ylabel("share of requests")
