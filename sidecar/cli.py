@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         "processes, a sidecar killed and restarted mid-run, a per-rank check that KVCM matches "
         "every engine, then a short replay (round_robin vs kvcm). Exit 0 only if all converged.",
     )
-    d.add_argument("--duration", type=float, default=20.0, help="seconds of workload")
+    d.add_argument("--duration", type=float, default=12.0, help="seconds of workload")
     d.add_argument("--ranks", type=int, default=2, help="dp ranks (engine + sidecar each)")
     d.add_argument("--seed", type=int, default=1, help="workload seed")
     s = _sub(

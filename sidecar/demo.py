@@ -2,8 +2,10 @@
 
 Starts the KVCM-compatible server (--bootstrap), then per dp rank an engine simulator process
 and a sidecar process; shows live counters; restarts one sidecar mid-run; quiets the engines;
-then checks, per rank, that KVCM shows exactly the engine's published keys, and prints latency
-and a router view. Exit 0 only if every rank converged. Imports: stdlib, aiohttp, sidecar.
+then checks, per rank, that KVCM shows exactly the engine's published keys and prints latency;
+ends with a short replay (round_robin vs kvcm) on the same KVCM. Exit 0 only if every rank
+converged and the replay served every request once with KVCM matching every engine.
+Imports: stdlib, aiohttp, sidecar.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from typing import Any
 
 import aiohttp
 
-from engine_hook.simulator import prompts
 from sidecar.child import Proc
 from sidecar.child import spawn as _spawn
+from sidecar.replay.report import table
+from sidecar.replay.router import CostModel
+from sidecar.replay.run import Replay, Settings
+from sidecar.replay.trace import CONVERSATIONS, generated
 from sidecar.shm_ring.segment import unlink
 
 PY = sys.executable
@@ -85,10 +90,6 @@ class Demo:
     async def get(self, s: aiohttp.ClientSession, url: str) -> Any:
         async with s.get(url) as r:
             return await r.json(content_type=None)
-
-    async def post(self, s: aiohttp.ClientSession, route: str, body: dict[str, Any]) -> Any:
-        async with s.post(f"{self.base}/api/{route}", json=body) as r:
-            return await r.json()
 
     async def run(self) -> int:
         try:
@@ -170,7 +171,18 @@ class Demo:
                 assert rk.engine is not None and rk.sidecar is not None
                 await rk.engine.send("exit")
                 await rk.sidecar.stop()
-        return 0 if all(ok.values()) else 1
+        replayed = await self._replay()
+        self.say("")
+        self.say(
+            "  RESULT: "
+            + (
+                "every rank converged: KVCM matches each engine exactly"
+                if all(ok.values())
+                else "NOT converged"
+            )
+            + ("" if replayed else "; the replay FAILED")
+        )
+        return 0 if all(ok.values()) and replayed else 1
 
     async def _await_ready(self, s: aiohttp.ClientSession, rk: Rank) -> None:
         """Bounded wait until the rank's sidecar answers /readyz 200 (registered, synced)."""
@@ -270,28 +282,35 @@ class Demo:
         self.say("")
         self.say("  (latency: engine step -> first arrival at KVCM; rank 0 includes the restart)")
         self.say("")
-        self.say("  router view (getHostCacheState, prefix blocks per host):")
-        for i, p in enumerate(prompts(self.seed)[: min(4, 2 * self.n)]):
-            resp = await self.post(
-                s,
-                "getHostCacheState",
-                {"instance_id": self.instance, "query_type": "QT_PREFIX_MATCH", "token_ids": p},
-            )
-            hosts = ", ".join(f"{h['host_ip_port']}={h['local']}" for h in resp["hosts"]) or "-"
-            self.say(f"    prompt {i} of rank {i % self.n} ({len(p) // 16} full blocks): {hosts}")
-        self.say(
-            "  (every tenant's prompt starts with the same 4-block preamble; a router sends each"
-            " prompt to the host with the longest match)"
-        )
+
+    async def _replay(self) -> bool:
+        """A short replay on this KVCM: what the cache state is worth to a router."""
+        w = CONVERSATIONS
         self.say("")
         self.say(
-            "  RESULT: "
-            + (
-                "every rank converged: KVCM matches each engine exactly"
-                if all(ok.values())
-                else "NOT converged"
-            )
+            f"  replay: {w.requests} requests of multi-turn conversations on {self.n} prefill "
+            "engines (+ sidecars), routed round_robin, then by KVCM's view (kvcm)"
         )
+        cfg = Settings(
+            ranks=self.n,
+            capacity_blocks=400,
+            speed=5.0,
+            policies=("round_robin", "kvcm"),
+            seed=self.seed,
+            cost=CostModel(block_tokens=16),
+        )
+        r = Replay(generated(w, self.seed, 16), cfg, endpoint=self.base)
+        doc = await r.execute(self.out)
+        self.say(table(doc))
+        rr, kv = doc["policies"]["round_robin"], doc["policies"]["kvcm"]
+        ok = all(x.served_once() and x.consistent for x in r.runs)
+        self.say(
+            f"  kvcm-aware routing: hit rate {kv['hit_rate']:.0%} vs {rr['hit_rate']:.0%}, mean "
+            f"TTFT {kv['ttft_mean_s'] * 1000:.0f} ms vs {rr['ttft_mean_s'] * 1000:.0f} ms "
+            "(trace time); every request served once and KVCM matched every engine: "
+            + ("yes" if ok else "NO")
+        )
+        return ok
 
 
 def run(duration_s: float, ranks: int, seed: int) -> int:

@@ -16,7 +16,7 @@ from sidecar.replay.report import plot
 from sidecar.replay.router import CostModel
 from sidecar.replay.run import Settings, replay
 from sidecar.replay.stack import StackError
-from sidecar.replay.trace import Request, TraceError, Workload, generate, parse, read
+from sidecar.replay.trace import Request, TraceError, Workload, generated, read
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 
@@ -34,8 +34,7 @@ def load(args: argparse.Namespace) -> tuple[list[Request], Settings]:
         if not args.rate > 0:
             raise ValueError("--rate must be > 0")
         w = Workload(requests=args.requests or Workload.requests, rate_per_s=args.rate)
-        lines = [json.dumps(x) for x in generate(w, args.seed, args.block_tokens)]
-        requests = parse(lines, args.block_tokens, "generated trace")
+        requests = generated(w, args.seed, args.block_tokens)
     if args.requests is not None:
         requests = requests[: args.requests]
     return requests, cfg

@@ -177,6 +177,12 @@ def generate(w: Workload, seed: int, block_tokens: int) -> list[dict[str, object
     return out
 
 
+def generated(w: Workload, seed: int, block_tokens: int) -> list[Request]:
+    """The generator's trace, read back through the same checks as a file."""
+    lines = [msgspec.json.encode(x) for x in generate(w, seed, block_tokens)]
+    return parse(lines, block_tokens, f"generated trace (seed {seed})")
+
+
 def theoretical_hit_rate(requests: Sequence[Request], block_tokens: int) -> float:
     """Reused tokens / input tokens with one infinite cache that holds every earlier prompt."""
     seen: set[int] = set()
