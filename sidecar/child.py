@@ -1,16 +1,23 @@
-"""A child process of the demo or the replay: its stdout lines as a queue, stdin commands.
+"""Child processes of the demo and the replay: stdout lines as a queue, stdin commands, and the
+launchers for a KVCM-compatible server and a sidecar.
 
-Imports: stdlib. Lines that parse as JSON objects arrive as dicts, others as text; a line with
-`"stats": true` only updates `last` (progress displays read it). Every wait has a timeout.
+Imports: stdlib, aiohttp. Lines that parse as JSON objects arrive as dicts, others as text; a
+line with `"stats": true` only updates `last` (progress displays read it). Every wait has a timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import sys
 from dataclasses import dataclass, field
 from typing import Any
+
+import aiohttp
+
+PY = sys.executable
 
 
 @dataclass
@@ -65,3 +72,65 @@ async def spawn(
     proc = Proc(name, p)
     tasks.append(asyncio.create_task(proc.pump()))  # cancelled in run()'s finally
     return proc
+
+
+async def start_kvcm_server(tasks: list[asyncio.Task[None]], *extra: str) -> tuple[Proc, str]:
+    """`kvcm-sidecar kvcm-server` on a free port, bootstrapped; returns it and its base URL."""
+    server = await spawn(
+        "kvcm",
+        PY,
+        "-m",
+        "sidecar.cli",
+        "kvcm-server",
+        "--meta-port",
+        "0",
+        "--bootstrap",
+        "--snapshot-min-interval-ms",
+        "1000",
+        *extra,
+        tasks=tasks,
+    )
+    line = await server.expect(lambda x: isinstance(x, str) and "listening on" in x)
+    return server, str(line.rsplit(" ", 1)[1])
+
+
+async def start_sidecar(
+    tasks: list[asyncio.Task[None]],
+    *,
+    endpoint: str,
+    instance_id: str,
+    dp_rank: int,
+    host: str,
+    ring: str,
+    env: dict[str, str] | None = None,
+) -> tuple[Proc, int]:
+    """`kvcm-sidecar run` for one rank's ring; returns it and its bound metrics port."""
+    full = {
+        **os.environ,
+        "KV_CACHE_EVENT_MANAGER_ENDPOINT": endpoint,
+        "KV_CACHE_EVENT_INSTANCE_ID": instance_id,
+        "KV_CACHE_EVENT_DP_RANK": str(dp_rank),
+        "KV_CACHE_EVENT_HOST_IP_PORT": host,
+        "KV_CACHE_EVENT_RING_NAME": ring,
+        "KV_CACHE_EVENT_METRICS_ADDR": "127.0.0.1:0",
+        "KV_CACHE_EVENT_LOG_FORMAT": "json",
+        **(env or {}),
+    }
+    proc = await spawn(f"sidecar{dp_rank}", PY, "-m", "sidecar.cli", "run", env=full, tasks=tasks)
+    line = await proc.expect(
+        lambda x: isinstance(x, dict) and "http listening" in str(x.get("msg", ""))
+    )
+    return proc, int(line["msg"].rsplit(":", 1)[1])
+
+
+async def await_ready(s: aiohttp.ClientSession, metrics_port: int, within_s: float = 30) -> None:
+    """Bounded wait until a sidecar answers /readyz 200 (registered, synced); TimeoutError."""
+    async with asyncio.timeout(within_s):
+        while True:
+            try:
+                async with s.get(f"http://127.0.0.1:{metrics_port}/readyz") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.05)  # polling another process, bounded by the timeout

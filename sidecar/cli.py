@@ -106,10 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
         "status",
         "summarise a sidecar (exit 0 healthy, 1 not)",
         "Summarise a running sidecar from its /status (state, lag, drops, resyncs); when it does "
-        "not answer, read its ring header directly. Exit 0 if READY, 1 otherwise.",
+        "not answer, read its ring header directly. Exit 0 if READY, 1 otherwise, 2 bad config.",
     )
     st.add_argument("--config", type=Path, default=None, help="TOML file")
-    st.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    st.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override one field (repeatable), to find the sidecar's metrics address",
+    )
     st.add_argument("--url", default=None, help="status URL (default: from http.metrics_addr)")
     st.add_argument("--json", action="store_true", help="print the JSON document")
     for flag, path in (

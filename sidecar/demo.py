@@ -25,15 +25,13 @@ from typing import Any
 
 import aiohttp
 
-from sidecar.child import Proc
+from sidecar.child import PY, Proc, await_ready, start_kvcm_server, start_sidecar
 from sidecar.child import spawn as _spawn
 from sidecar.replay.report import table
 from sidecar.replay.router import CostModel
 from sidecar.replay.run import Replay, Settings
 from sidecar.replay.trace import CONVERSATIONS, generated
 from sidecar.shm_ring.segment import unlink
-
-PY = sys.executable
 
 
 @dataclass
@@ -68,24 +66,15 @@ class Demo:
         self.out.flush()
 
     async def start_sidecar(self, rk: Rank) -> None:
-        env = {
-            **os.environ,
-            "KV_CACHE_EVENT_MANAGER_ENDPOINT": self.base,
-            "KV_CACHE_EVENT_INSTANCE_ID": self.instance,
-            "KV_CACHE_EVENT_DP_RANK": str(rk.r),
-            "KV_CACHE_EVENT_HOST_IP_PORT": rk.host,
-            "KV_CACHE_EVENT_RING_NAME": rk.ring,
-            "KV_CACHE_EVENT_METRICS_ADDR": "127.0.0.1:0",
-            "KV_CACHE_EVENT_LOG_FORMAT": "json",
-            "KV_CACHE_EVENT_REPORT_HEARTBEAT_INTERVAL_S": "0.5",
-        }
-        rk.sidecar = await _spawn(
-            f"sidecar{rk.r}", PY, "-m", "sidecar.cli", "run", env=env, tasks=self.tasks
+        rk.sidecar, rk.metrics_port = await start_sidecar(
+            self.tasks,
+            endpoint=self.base,
+            instance_id=self.instance,
+            dp_rank=rk.r,
+            host=rk.host,
+            ring=rk.ring,
+            env={"KV_CACHE_EVENT_REPORT_HEARTBEAT_INTERVAL_S": "0.5"},
         )
-        line = await rk.sidecar.expect(
-            lambda x: isinstance(x, dict) and "http listening" in str(x.get("msg", ""))
-        )
-        rk.metrics_port = int(line["msg"].rsplit(":", 1)[1])
 
     async def get(self, s: aiohttp.ClientSession, url: str) -> Any:
         async with s.get(url) as r:
@@ -109,23 +98,9 @@ class Demo:
 
     async def _run(self) -> int:
         self.say(f"kvcm-sidecar demo: {self.n} dp ranks, {self.duration_s:.0f} s, seed {self.seed}")
-        self.server = await _spawn(
-            "kvcm",
-            PY,
-            "-m",
-            "sidecar.cli",
-            "kvcm-server",
-            "--meta-port",
-            "0",
-            "--bootstrap",
-            "--snapshot-min-interval-ms",
-            "1000",
-            "--state-file",
-            str(self.tmp / "kvcm.json"),
-            tasks=self.tasks,
+        self.server, self.base = await start_kvcm_server(
+            self.tasks, "--state-file", str(self.tmp / "kvcm.json")
         )
-        line = await self.server.expect(lambda x: isinstance(x, str) and "listening on" in x)
-        self.base = line.rsplit(" ", 1)[1]
         self.say(f"  KVCM-compatible server at {self.base} (bootstrapped group 'default')")
         for rk in self.ranks:
             args = {
@@ -153,7 +128,7 @@ class Demo:
             )
         async with aiohttp.ClientSession() as s:
             for rk in self.ranks:
-                await self._await_ready(s, rk)
+                await await_ready(s, rk.metrics_port)
             for rk in self.ranks:
                 assert rk.engine is not None
                 await rk.engine.send("go")
@@ -183,18 +158,6 @@ class Demo:
             + ("" if replayed else "; the replay FAILED")
         )
         return 0 if all(ok.values()) and replayed else 1
-
-    async def _await_ready(self, s: aiohttp.ClientSession, rk: Rank) -> None:
-        """Bounded wait until the rank's sidecar answers /readyz 200 (registered, synced)."""
-        async with asyncio.timeout(30):
-            while True:
-                try:
-                    async with s.get(f"http://127.0.0.1:{rk.metrics_port}/readyz") as r:
-                        if r.status == 200:
-                            return
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.05)  # polling another process, bounded by the timeout
 
     async def _progress(self, s: aiohttp.ClientSession) -> None:
         t0 = time.monotonic()

@@ -19,10 +19,9 @@ from typing import Any
 
 import aiohttp
 
-from sidecar.child import Proc, spawn
+from sidecar.child import PY, Proc, await_ready, start_kvcm_server, start_sidecar
 from sidecar.shm_ring.segment import unlink
 
-PY = sys.executable
 EngineEvent = Callable[[int, dict[str, Any]], None]
 
 
@@ -109,21 +108,7 @@ class Stack:
 
     async def start(self) -> None:
         if not self.endpoint:
-            self.server = await spawn(
-                "kvcm",
-                PY,
-                "-m",
-                "sidecar.cli",
-                "kvcm-server",
-                "--meta-port",
-                "0",
-                "--bootstrap",
-                "--snapshot-min-interval-ms",
-                "1000",
-                tasks=self.tasks,
-            )
-            line = await self.server.expect(lambda x: isinstance(x, str) and "listening on" in x)
-            self.endpoint = line.rsplit(" ", 1)[1]
+            self.server, self.endpoint = await start_kvcm_server(self.tasks)
         tag = uuid.uuid4().hex[:6]
         self.rk = [
             Rank(r, f"/kvcm-replay-{os.getpid()}-{tag}-{r}", f"127.0.0.1:{19000 + r}")
@@ -159,44 +144,20 @@ class Stack:
                 raise StackError(f"engine{rk.r} did not start") from None
             if ready.get("ev") != "ready":
                 raise StackError(f"engine{rk.r}: {ready}")
-            await self._start_sidecar(rk)
+            rk.sidecar, rk.metrics_port = await start_sidecar(
+                self.tasks,
+                endpoint=self.endpoint,
+                instance_id=self.instance_id,
+                dp_rank=rk.r,
+                host=rk.host,
+                ring=rk.ring,
+            )
         async with aiohttp.ClientSession() as s:
             for rk in self.rk:
-                await self._await_ready(s, rk)
-
-    async def _start_sidecar(self, rk: Rank) -> None:
-        env = {
-            **os.environ,
-            "KV_CACHE_EVENT_MANAGER_ENDPOINT": self.endpoint,
-            "KV_CACHE_EVENT_INSTANCE_ID": self.instance_id,
-            "KV_CACHE_EVENT_DP_RANK": str(rk.r),
-            "KV_CACHE_EVENT_HOST_IP_PORT": rk.host,
-            "KV_CACHE_EVENT_RING_NAME": rk.ring,
-            "KV_CACHE_EVENT_METRICS_ADDR": "127.0.0.1:0",
-            "KV_CACHE_EVENT_LOG_FORMAT": "json",
-        }
-        rk.sidecar = await spawn(
-            f"sidecar{rk.r}", PY, "-m", "sidecar.cli", "run", env=env, tasks=self.tasks
-        )
-        line = await rk.sidecar.expect(
-            lambda x: isinstance(x, dict) and "http listening" in str(x.get("msg", ""))
-        )
-        rk.metrics_port = int(line["msg"].rsplit(":", 1)[1])
-
-    async def _await_ready(self, s: aiohttp.ClientSession, rk: Rank) -> None:
-        """Bounded wait until the rank's sidecar answers /readyz 200 (registered, synced)."""
-        try:
-            async with asyncio.timeout(30):
-                while True:
-                    try:
-                        async with s.get(f"http://127.0.0.1:{rk.metrics_port}/readyz") as r:
-                            if r.status == 200:
-                                return
-                    except aiohttp.ClientError:
-                        pass
-                    await asyncio.sleep(0.05)  # polling another process, bounded by the timeout
-        except TimeoutError:
-            raise StackError(f"sidecar{rk.r} not ready in 30 s") from None
+                try:
+                    await await_ready(s, rk.metrics_port)
+                except TimeoutError:
+                    raise StackError(f"sidecar{rk.r} not ready in 30 s") from None
 
     def engines(self) -> list[Engine]:
         return [rk.engine for rk in self.rk if rk.engine is not None]
