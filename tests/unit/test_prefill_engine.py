@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -111,3 +113,14 @@ def test_prefill_engine_at_least_one_token_is_computed() -> None:
 def test_prefill_engine_cost_equals_the_routers_model(tokens: int, cached: int) -> None:
     engine_cost, router_cost = Cost(), CostModel()
     assert engine_cost.prefill_s(tokens, cached) == router_cost.prefill_s(tokens, cached)
+
+
+def test_prefill_engine_import_loads_nothing_heavy_and_no_sidecar_core() -> None:
+    code = (
+        "import sys, engine_hook.prefill_engine\n"
+        "bad = [m for m in ('aiohttp', 'uvloop', 'prometheus_client', 'msgspec', 'sidecar.replay')"
+        " if m in sys.modules]\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from sidecar.replay.router import CostModel, Router
@@ -55,3 +58,12 @@ async def test_router_oracle_leaves_a_cached_host_whose_queue_costs_more_than_th
 def test_router_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         Router("fastest", HOSTS, COST, seed=1)
+
+
+def test_router_replay_and_demo_do_not_import_engine_hook() -> None:
+    code = (
+        "import sys, sidecar.replay.cli, sidecar.demo\n"
+        "print(','.join(m for m in sys.modules if m.split('.')[0] == 'engine_hook'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""  # engines are child processes (DESIGN §2)
