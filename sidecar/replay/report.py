@@ -103,14 +103,14 @@ def document(runs: Sequence[PolicyRun], theoretical: float, meta: dict[str, Any]
 
 def table(doc: dict[str, Any]) -> str:
     rows = [
-        f"  {'policy':<13}{'hit rate':>9}{'prefill Mtok':>13}{'TTFT mean':>10}{'p50':>8}"
-        f"{'p90':>8}{'p99':>8}  requests per engine"
+        f"  {'policy':<13}{'hit rate':>9}{'prefill Mtok':>13}{'TTFT mean':>10}{'p50':>9}"
+        f"{'p90':>9}{'p99':>9}  requests per engine"
     ]
     for name, s in doc["policies"].items():
         rows.append(
             f"  {name:<13}{s['hit_rate']:>8.1%}{s['prefill_tokens'] / 1e6:>13.2f}"
-            f"{s['ttft_mean_s']:>9.3f}s{s['ttft_p50_s']:>7.3f}s{s['ttft_p90_s']:>7.3f}s"
-            f"{s['ttft_p99_s']:>7.3f}s  {' '.join(str(n) for n in s['requests_per_engine'])}"
+            f"{s['ttft_mean_s']:>9.3f}s{s['ttft_p50_s']:>8.3f}s{s['ttft_p90_s']:>8.3f}s"
+            f"{s['ttft_p99_s']:>8.3f}s  {' '.join(str(n) for n in s['requests_per_engine'])}"
         )
     rows.append(
         f"  theoretical max hit rate (one infinite cache): {doc['theoretical_hit_rate']:.1%}"
