@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 ENV_PREFIX = "KV_CACHE_EVENT_"
+MAX_MEDIUMS = 255
 
 
 class DescriptorError(ValueError):
@@ -34,6 +35,8 @@ class Descriptor:
     group_block_bytes: tuple[int, ...] = (4096,)
     required_groups: tuple[int, ...] = (0,)
     medium: str = "hbm"
+    # Further tiers the engine may report (`stored(..., medium=name)`); see medium_table().
+    mediums: tuple[str, ...] = ()
     cp_sharded_kv: bool = False
     prefix_reuse: bool = True
     ring_name: str = ""
@@ -49,10 +52,15 @@ class Descriptor:
         raw = json.loads(data)
         known = {f.name for f in fields(cls)}
         raw = {k: v for k, v in raw.items() if k in known}
-        for k in ("group_block_bytes", "required_groups"):
+        for k in ("group_block_bytes", "required_groups", "mediums"):
             if k in raw:
                 raw[k] = tuple(raw[k])
         return cls(**raw)
+
+    def medium_table(self) -> tuple[str, ...]:
+        """Medium names by ring index: index 0 is always the default `medium`, so records and
+        snapshots written before mediums existed (all index 0) keep their meaning."""
+        return (self.medium, *(m for m in dict.fromkeys(self.mediums) if m != self.medium))
 
     def block_bytes(self) -> int:
         """Bytes of one published block across required groups and TP shards (KVCM spec size)."""
@@ -74,6 +82,8 @@ def _parse(name: str, typ: Any, raw: str, source: str) -> Any:
             return float(raw)
         if typ == "tuple[int, ...]":
             return tuple(int(x) for x in raw.split(",") if x.strip())
+        if typ == "tuple[str, ...]":
+            return tuple(x.strip() for x in raw.split(",") if x.strip())
         if typ == "dict[str, str]":
             return dict(kv.split("=", 1) for kv in raw.split(",") if kv)
         return raw
@@ -88,8 +98,10 @@ def build(args: Mapping[str, Any], env: Mapping[str, str]) -> Descriptor:
         key = ENV_PREFIX + f.name.upper()
         if args.get(f.name) is not None:
             v = args[f.name]
-            if f.type in ("tuple[int, ...]",) and not isinstance(v, tuple):
+            if f.type == "tuple[int, ...]" and not isinstance(v, tuple):
                 v = tuple(int(x) for x in v)
+            elif f.type == "tuple[str, ...]" and not isinstance(v, tuple):
+                v = (v,) if isinstance(v, str) else tuple(v)
             values[f.name] = v
         elif key in env:
             values[f.name] = _parse(f.name, f.type, env[key], f"env {key}")
@@ -118,7 +130,10 @@ def _validate(d: Descriptor) -> None:
         not 0 <= g < len(d.group_block_bytes) for g in d.required_groups
     ):
         raise DescriptorError("required_groups must name existing cache groups")
-    if not d.medium or "#" in d.medium:
-        raise DescriptorError("medium must be non-empty and must not contain '#'")
+    for m in (d.medium, *d.mediums):
+        if not isinstance(m, str) or not m or "#" in m:
+            raise DescriptorError(f"medium {m!r}: must be a non-empty name without '#'")
+    if len(d.medium_table()) > MAX_MEDIUMS:
+        raise DescriptorError(f"mediums: at most {MAX_MEDIUMS} mediums (a u8 index on the ring)")
     if d.max_stage_delay_ms <= 0:
         raise DescriptorError("max_stage_delay_ms must be > 0")

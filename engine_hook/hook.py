@@ -27,7 +27,9 @@ from sidecar.shm_ring.writer import RingWriter
 
 log = logging.getLogger(__name__)
 
-SnapshotProvider = Callable[[], tuple[np.ndarray, np.ndarray]]
+SnapshotProvider = Callable[
+    [], tuple[np.ndarray, np.ndarray] | tuple[np.ndarray, np.ndarray, np.ndarray]
+]
 _I64_MIN = -(1 << 63)
 _U64_END = 1 << 64
 LOG_INTERVAL_S = 60.0
@@ -56,27 +58,46 @@ class _RateLimitedLog:
 
 
 def normalize_keys(keys: Any) -> np.ndarray:
-    """Any int, sequence or integer ndarray -> int64 array of KVCM's signed bit pattern."""
+    """Any int, sequence or integer ndarray -> int64 array of KVCM's signed bit pattern.
+
+    Raises on the first bad key; `split_keys` is the forgiving form the hook uses."""
+    good, bad = split_keys(keys)
+    if bad is not None:
+        raise bad
+    return good
+
+
+def split_keys(keys: Any) -> tuple[np.ndarray, Exception | None]:
+    """(the valid keys as int64, the first problem or None): a bad key inside a sequence costs
+    only itself, so the good transitions beside it are never lost."""
     if isinstance(keys, np.ndarray):
         arr = keys.ravel()
         if arr.dtype == np.int64:
-            return arr
+            return arr, None
         if arr.dtype == np.uint64:
-            return arr.view(np.int64)
+            return arr.view(np.int64), None
         if arr.dtype.kind in "iu":
-            return arr.astype(np.int64)
-        raise TypeError(f"keys array dtype {arr.dtype} is not an integer type")
+            return arr.astype(np.int64), None
+        if arr.dtype.kind != "O":
+            return _NO_KEYS, TypeError(f"keys array dtype {arr.dtype} is not an integer type")
+        keys = arr.tolist()
     if isinstance(keys, (int, np.integer)) and not isinstance(keys, bool):
         keys = [int(keys)]
     out = []
+    problem: Exception | None = None
     for k in keys:
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-            raise TypeError(f"key {k!r} is not an integer")
+            problem = problem or TypeError(f"key {k!r} is not an integer")
+            continue
         k = int(k)
         if not _I64_MIN <= k < _U64_END:
-            raise OverflowError(f"key {k} does not fit in 64 bits")
+            problem = problem or OverflowError(f"key {k} does not fit in 64 bits")
+            continue
         out.append(k - _U64_END if k >= 1 << 63 else k)
-    return np.array(out, dtype=np.int64)
+    return np.array(out, dtype=np.int64), problem
+
+
+_NO_KEYS = np.empty(0, np.int64)
 
 
 class Hook:
@@ -108,8 +129,17 @@ class Hook:
         self._snapshot_last_stall_s = 0.0
         self._groups = len(descriptor.group_block_bytes)
         # Dicts, not lists: a negative or unknown group must miss (KeyError), not wrap around.
-        self._stored_meta = {g: L.pack_meta(L.KIND_STORED, g) for g in range(self._groups)}
-        self._removed_meta = {g: L.pack_meta(L.KIND_REMOVED, g) for g in range(self._groups)}
+        # The default medium's metas are keyed by group alone (the common, fastest call); other
+        # mediums by (group, name).
+        self._mediums = descriptor.medium_table()
+        self._stored_meta: dict[Any, int] = {}
+        self._removed_meta: dict[Any, int] = {}
+        for g in range(self._groups):
+            self._stored_meta[g] = L.pack_meta(L.KIND_STORED, g)
+            self._removed_meta[g] = L.pack_meta(L.KIND_REMOVED, g)
+            for i, name in enumerate(self._mediums):
+                self._stored_meta[(g, name)] = L.pack_meta(L.KIND_STORED, g, i)
+                self._removed_meta[(g, name)] = L.pack_meta(L.KIND_REMOVED, g, i)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._delay_s = descriptor.max_stage_delay_ms / 1000.0
@@ -120,25 +150,28 @@ class Hook:
             self._thread.start()
 
     # ---- hot path -------------------------------------------------------------------------
-    def stored(self, keys: Any, group: int = 0) -> None:
-        """Blocks with these keys now hold `group`'s KV. Never raises, never blocks."""
+    def stored(self, keys: Any, group: int = 0, medium: str | None = None) -> None:
+        """Blocks with these keys now hold `group`'s KV in `medium` (default: the descriptor's).
+        Never raises, never blocks."""
         try:
+            meta = self._stored_meta[group if medium is None else (group, medium)]
             if type(keys) is int:
-                self._append((keys, self._stored_meta[group]))
+                self._append((keys, meta))
             else:
-                self._stage_many(keys, self._stored_meta[group])
+                self._stage_many(keys, meta)
         except Exception as exc:  # the engine must never see our failures
-            self._reject(exc)
+            self._reject(exc, group, medium)
 
-    def removed(self, keys: Any, group: int = 0) -> None:
-        """Blocks with these keys no longer hold `group`'s KV (evicted or freed)."""
+    def removed(self, keys: Any, group: int = 0, medium: str | None = None) -> None:
+        """Blocks with these keys no longer hold `group`'s KV in `medium` (evicted or freed)."""
         try:
+            meta = self._removed_meta[group if medium is None else (group, medium)]
             if type(keys) is int:
-                self._append((keys, self._removed_meta[group]))
+                self._append((keys, meta))
             else:
-                self._stage_many(keys, self._removed_meta[group])
+                self._stage_many(keys, meta)
         except Exception as exc:
-            self._reject(exc)
+            self._reject(exc, group, medium)
 
     def cleared(self) -> None:
         """Every block of every group is gone (cache reset)."""
@@ -150,13 +183,18 @@ class Hook:
     def _stage_many(self, keys: Any, meta: int) -> None:
         if type(keys) is bool:
             raise TypeError("a bool is not a block key")
-        arr = normalize_keys(keys)
+        arr, bad = split_keys(keys)
         if len(arr):
             self._append((arr, meta))
+        if bad is not None:
+            self._problem("bad_key", bad)  # the valid keys beside it are staged
 
-    def _reject(self, exc: Exception) -> None:
+    def _reject(self, exc: Exception, group: object = 0, medium: object = None) -> None:
         if isinstance(exc, KeyError):
-            self._problem("bad_group", exc)
+            if medium is not None and medium not in self._mediums:
+                self._problem("bad_medium", f"medium {medium!r} not in {self._mediums}")
+            else:
+                self._problem("bad_group", f"group {group!r}")
         elif isinstance(exc, (TypeError, OverflowError, ValueError)):
             self._problem("bad_key", exc)
         else:
@@ -199,13 +237,15 @@ class Hook:
             # A few records: word stores beat numpy's fixed per-call cost by ~20x.
             accepted = self._writer.write_pairs(chunk)
             if self._resident is not None:
-                self._resident.apply_pairs(chunk[:accepted])
+                self._resident.apply_pairs(chunk)  # accepted or dropped: see below
             return accepted
         keys, metas = self._materialize(chunk)
         accepted = self._writer.write(keys, metas)
         if self._resident is not None:
-            # The snapshot fence covers accepted records only: dropped ones are resynced anyway.
-            self._resident.apply(keys[:accepted], metas[:accepted])
+            # Every transition, the dropped ones too: the resync after a drop answers from this
+            # set, so a record the ring refused must be here or it is lost for good. The fence
+            # stays the last accepted seq (docs/ring.md, "Drops and the resident set").
+            self._resident.apply(keys, metas)
         return accepted
 
     def _materialize(self, chunk: list[tuple[Any, int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -233,10 +273,9 @@ class Hook:
                 keys.append(item)
                 metas.append(np.full(len(item), meta, dtype=np.uint64))
             else:
-                try:
-                    normalize_keys([item])
-                except (TypeError, OverflowError) as exc:
-                    self._problem("bad_key", exc)
+                _, bad = split_keys([item])
+                if bad is not None:  # dropped from the ring and the resident set alike
+                    self._problem("bad_key", bad)
                     continue
                 run_k.append(item)
                 run_m.append(meta)
@@ -249,9 +288,11 @@ class Hook:
     def set_snapshot_provider(self, provider: SnapshotProvider | None) -> None:
         """Let an engine that can enumerate its cache answer snapshots itself.
 
-        `provider()` returns (keys int64, group masks uint32); a key may repeat with different
-        bits. The engine must update its own state before reporting the transition to the hook,
-        so that every transition already flushed is visible to the provider.
+        `provider()` returns (keys int64, group masks uint32) for the default medium, or
+        (keys, masks, medium indexes uint8) where index i is `descriptor.medium_table()[i]`; a
+        (key, medium) may repeat with different bits. The engine must update its own state
+        before reporting the transition to the hook, so that every transition already flushed is
+        visible to the provider.
         """
         self._provider = provider
         self._resident = None if provider is not None else ResidentSet()
@@ -262,13 +303,15 @@ class Hook:
             self._publish_staged()  # the fence covers everything staged before the request
             fence = self._writer.last_seq
             dropped = self._writer.dropped
+            mediums: np.ndarray | None = None
             if self._provider is not None:
-                keys, masks = self._provider()
+                keys, masks, *rest = self._provider()
+                mediums = rest[0] if rest else None
             elif self._resident is not None:
-                keys, masks = self._resident.export()
+                keys, masks, mediums = self._resident.export()
             else:
                 raise RuntimeError("no snapshot source")
-            self._snap.publish(req, fence, self._writer.boot_id, dropped, keys, masks)
+            self._snap.publish(req, fence, self._writer.boot_id, dropped, keys, masks, mediums)
             self._snapshots += 1
         except Exception as exc:
             self._problem("snapshot_failed", repr(exc))
@@ -344,10 +387,10 @@ class NullHook:
     def __init__(self, reason: str) -> None:
         self.reason = reason
 
-    def stored(self, keys: Any, group: int = 0) -> None:
+    def stored(self, keys: Any, group: int = 0, medium: str | None = None) -> None:
         pass
 
-    def removed(self, keys: Any, group: int = 0) -> None:
+    def removed(self, keys: Any, group: int = 0, medium: str | None = None) -> None:
         pass
 
     def cleared(self) -> None:

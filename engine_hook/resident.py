@@ -1,10 +1,11 @@
-"""The hook's own record of resident (key, group) pairs, for engines that cannot enumerate theirs.
+"""The hook's own record of resident (key, medium, group), for engines that cannot enumerate theirs.
 
-Imports: numpy + sidecar.shm_ring.layout. Block metadata lives in arrays (DESIGN §5): dense
-(key, mask) arrays indexed by an open-addressing hash table (linear probing), updated in bulk.
-Records are queued as they are published and folded in when the queue is long or a snapshot is
-asked for, so `export()` is exactly the fold of every record applied so far (the snapshot fence)
-and costs two slice copies. Not thread-safe: the hook calls apply/export only under its flush lock.
+Imports: numpy + sidecar.shm_ring.layout. Block metadata lives in arrays (DESIGN §5): per medium,
+dense (key, mask) arrays indexed by an open-addressing hash table, updated in bulk. The hook
+applies every transition it was handed, whether the ring accepted or dropped it: this is the truth
+a resync rebuilds from. Records are queued and folded in when the queue is long or a snapshot is
+asked for, so `export()` is exactly the fold of every record applied so far. Not thread-safe: the
+hook calls apply/export only under its flush lock.
 """
 
 from __future__ import annotations
@@ -24,16 +25,16 @@ _MIN_CAP = 1 << 16
 
 
 class ResidentSet:
-    """key -> group mask: dense (key, mask) columns in insertion order behind a hash index.
+    """(medium, key) -> group mask: per medium, dense (key, mask) columns behind a hash index.
 
     A removed key keeps its dense entry with mask 0 until the next re-index, so `export()` is
-    two slice copies (the snapshot format treats mask-0 entries as "not held"). The re-index is
+    slice copies (the snapshot format treats mask-0 entries as "not held"). The re-index is
     done a bounded piece per fold (sidecar/shm_ring/key_table.py), so no flush pays for all of it.
     """
 
     def __init__(self, capacity: int = _MIN_CAP) -> None:
         self._capacity = capacity
-        self._t = self._table()
+        self._tables: dict[int, KeyTable] = {0: self._table()}
         self._queue_k: list[np.ndarray] = []
         self._queue_m: list[np.ndarray] = []
         self._queued = 0
@@ -42,8 +43,13 @@ class ResidentSet:
         return KeyTable({"masks": np.uint32}, live=("masks",), min_capacity=self._capacity)
 
     @property
+    def _t(self) -> KeyTable:
+        """The default medium's table (most engines have no other)."""
+        return self._tables[0]
+
+    @property
     def _cap(self) -> int:
-        return self._t.idx.cap
+        return max(t.idx.cap for t in self._tables.values())
 
     # ---- recording ------------------------------------------------------------------------
     def apply(self, keys: np.ndarray, metas: np.ndarray) -> None:
@@ -71,32 +77,53 @@ class ResidentSet:
         start = 0
         for c in np.flatnonzero(kinds == KIND_CLEARED).tolist():
             self._fold_segment(keys[start:c], metas[start:c])
-            self._t = self._table()  # everything gone
+            self._tables = {0: self._table()}  # every medium and group gone
             start = c + 1
         self._fold_segment(keys[start:], metas[start:])
 
     def _fold_segment(self, keys: np.ndarray, metas: np.ndarray) -> None:
         if not len(keys):
             return
+        med = (metas >> np.uint64(16)) & np.uint64(0xFF)
+        if not med.any():
+            self._fold_medium(0, keys, metas)
+            return
+        for m in np.unique(med).tolist():
+            sel = med == m
+            self._fold_medium(int(m), keys[sel], metas[sel])
+
+    def _fold_medium(self, medium: int, keys: np.ndarray, metas: np.ndarray) -> None:
+        t = self._tables.get(medium)
+        if t is None:
+            t = self._tables[medium] = self._table()
         ukeys, set_m, clr_m = fold_ops(keys, metas)
-        pos = self._t.find(ukeys)
-        masks = self._t.cols["masks"]
+        pos = t.find(ukeys)
+        masks = t.cols["masks"]
         m = masks[pos].astype(np.int64)
         masks[pos] = ((m & ~clr_m) | set_m).astype(np.uint32)
 
     # ---- reading --------------------------------------------------------------------------
     def __len__(self) -> int:
-        """Resident keys as of the last fold. Never folds: it is read from threads that do not
-        hold the hook's flush lock (stats()), and only that lock's holder may fold."""
-        return int(np.count_nonzero(self._t.cols["masks"][: self._t.n]))
+        """Resident (key, medium) pairs as of the last fold. Never folds: it is read from threads
+        that do not hold the hook's flush lock (stats()), and only that lock's holder may fold."""
+        tables = list(self._tables.values())  # a snapshot: the flush thread may swap the dict
+        return sum(int(np.count_nonzero(t.cols["masks"][: t.n])) for t in tables)
 
-    def export(self) -> tuple[np.ndarray, np.ndarray]:
-        """(keys, masks) as of every record applied; mask-0 entries are keys not held."""
+    def export(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(keys, masks, medium indexes) as of every record applied; mask 0 = not held."""
         self._fold()
-        n = self._t.n
-        return self._t.keys[:n].copy(), self._t.cols["masks"][:n].copy()
+        if len(self._tables) == 1 and 0 in self._tables:
+            n = self._t.n
+            return self._t.keys[:n].copy(), self._t.cols["masks"][:n].copy(), np.zeros(n, np.uint8)
+        items = sorted(self._tables.items())
+        keys = np.concatenate([t.keys[: t.n] for _, t in items])
+        masks = np.concatenate([t.cols["masks"][: t.n] for _, t in items])
+        mediums = np.concatenate([np.full(t.n, m, np.uint8) for m, t in items])
+        return keys, masks, mediums
 
-    def as_dict(self) -> dict[int, int]:
-        keys, masks = self.export()
+    def as_dict(self) -> dict[tuple[int, int], int]:
+        """(key, medium index) -> group mask of every held pair."""
+        keys, masks, mediums = self.export()
         held = masks != 0
-        return dict(zip(keys[held].tolist(), masks[held].tolist(), strict=True))
+        pairs = zip(keys[held].tolist(), mediums[held].tolist(), strict=True)
+        return dict(zip(pairs, masks[held].tolist(), strict=True))

@@ -45,10 +45,13 @@ def _emit(obj: dict[str, Any]) -> None:
 
 
 class _Tap:
-    """Passes every call to the hook; notes when a watched key is first removed afterwards."""
+    """Passes every call to the hook; notes when a watched key is first removed afterwards.
+    With `provider=False` the cache's snapshot provider is not installed, so the hook answers
+    resyncs from its own resident set (an engine that cannot enumerate its cache)."""
 
-    def __init__(self, hook: Any) -> None:
+    def __init__(self, hook: Any, provider: bool = True) -> None:
         self.hook = hook
+        self.provider = provider
         self.watched: set[int] = set()
         self.removed_at: dict[int, int] = {}
 
@@ -64,7 +67,8 @@ class _Tap:
         self.hook.cleared()
 
     def set_snapshot_provider(self, provider: Any) -> None:
-        self.hook.set_snapshot_provider(provider)
+        if self.provider:
+            self.hook.set_snapshot_provider(provider)
 
 
 def main(args: dict[str, Any]) -> None:
@@ -80,7 +84,7 @@ def main(args: dict[str, Any]) -> None:
         required_groups=(0, 1),
         ring_capacity_slots=args.get("capacity", 1 << 14),
     )
-    tap = _Tap(hook)
+    tap = _Tap(hook, provider=args.get("provider", True))
     cache = BlockCache(
         args.get("blocks", 2048),
         BLOCK,

@@ -26,6 +26,7 @@ class Proc:
     p: asyncio.subprocess.Process
     lines: asyncio.Queue[dict[str, Any] | str] = field(default_factory=asyncio.Queue)
     last: dict[str, Any] = field(default_factory=dict)
+    new_stats: asyncio.Event = field(default_factory=asyncio.Event)  # set at each `last` update
 
     async def pump(self) -> None:
         assert self.p.stdout is not None
@@ -37,6 +38,7 @@ class Proc:
                 obj = text
             if isinstance(obj, dict) and obj.get("stats"):
                 self.last = obj
+                self.new_stats.set()
             else:
                 await self.lines.put(obj)
 

@@ -1,11 +1,11 @@
 """`kvcm-sidecar demo`: the whole system on one machine, with a fault and a consistency check.
 
 Starts the KVCM-compatible server (--bootstrap), then per dp rank an engine simulator process
-and a sidecar process; shows live counters; restarts one sidecar mid-run; quiets the engines;
-then checks, per rank, that KVCM shows exactly the engine's published keys and prints latency;
-ends with a short replay (round_robin vs kvcm) on the same KVCM. Exit 0 only if every rank
-converged and the replay served every request once with KVCM matching every engine.
-Imports: stdlib, aiohttp, sidecar.
+and a sidecar process; shows live counters; restarts one sidecar mid-run and overflows the ring
+of another (an engine without a snapshot provider) by stopping its sidecar; quiets the engines;
+checks, per rank, that KVCM shows exactly the engine's published keys and prints latency; ends
+with a short replay (round_robin vs kvcm) on the same KVCM. Exit 0 only if every rank converged
+and the replay served every request once with KVCM matching. Imports: stdlib, aiohttp, sidecar.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class Demo:
         self.ranks = [
             Rank(r, f"/kvcm-demo-{os.getpid()}-{r}", f"127.0.0.1:{18000 + r}") for r in range(ranks)
         ]
+        self.overflow_rank = self.ranks[-1]
         self.tasks: list[asyncio.Task[None]] = []
         self.server: Proc | None = None
         self.base = ""
@@ -110,6 +111,10 @@ class Demo:
                 "seed": self.seed,
                 "ring_name": rk.ring,
             }
+            if rk is self.overflow_rank:
+                # No snapshot provider (the hook's resident set answers resyncs) and a small
+                # ring, so stopping its sidecar for a moment overflows it.
+                args.update(provider=False, capacity=2048)
             env = {**os.environ, "KV_CACHE_EVENT_RING_NAME": rk.ring}
             rk.engine = await _spawn(
                 f"engine{rk.r}",
@@ -159,9 +164,28 @@ class Demo:
         )
         return 0 if all(ok.values()) and replayed else 1
 
+    async def _overflow(self, rk: Rank) -> None:
+        """SIGSTOP the rank's sidecar until its engine reports ring drops, then SIGCONT."""
+        assert rk.engine is not None and rk.sidecar is not None
+        before = rk.engine.last.get("dropped", 0)
+        self.say(
+            f"  fault: SIGSTOP the sidecar of rank {rk.r} (engine without a snapshot provider)"
+            " until its ring overflows"
+        )
+        rk.sidecar.p.send_signal(signal.SIGSTOP)
+        try:
+            async with asyncio.timeout(20):
+                while rk.engine.last.get("dropped", 0) <= before:
+                    rk.engine.new_stats.clear()
+                    await rk.engine.new_stats.wait()  # the engine reports every 0.5 s
+        finally:
+            rk.sidecar.p.send_signal(signal.SIGCONT)
+        dropped = rk.engine.last.get("dropped", 0) - before
+        self.say(f"  rank {rk.r}: ring dropped {dropped} records; SIGCONT, the sidecar resyncs")
+
     async def _progress(self, s: aiohttp.ClientSession) -> None:
         t0 = time.monotonic()
-        restarted = False
+        restarted = overflowed = False
         while (elapsed := time.monotonic() - t0) < self.duration_s:
             if not restarted and elapsed >= self.duration_s / 2:
                 restarted = True
@@ -170,6 +194,9 @@ class Demo:
                 self.say("  fault: SIGKILL the sidecar of rank 0 and start a new one")
                 await rk.sidecar.stop(signal.SIGKILL)
                 await self.start_sidecar(rk)
+            if not overflowed and elapsed >= self.duration_s * 0.75:
+                overflowed = True
+                await self._overflow(self.overflow_rank)
             events = sum(rk.engine.last.get("events", 0) for rk in self.ranks if rk.engine)
             pub = sum(rk.engine.last.get("published", 0) for rk in self.ranks if rk.engine)
             drops = sum(rk.engine.last.get("dropped", 0) for rk in self.ranks if rk.engine)
@@ -243,7 +270,10 @@ class Demo:
                 f"{'yes' if ok[rk.r] else 'NO'}"
             )
         self.say("")
-        self.say("  (latency: engine step -> first arrival at KVCM; rank 0 includes the restart)")
+        self.say(
+            "  (latency: engine step -> first arrival at KVCM; rank 0 includes the restart,"
+            f" rank {self.overflow_rank.r} the overflow)"
+        )
         self.say("")
 
     async def _replay(self) -> bool:

@@ -5,6 +5,9 @@ one JSON result line when done. Modes:
   burst     raw RingWriter: write `bursts` x `burst` records whose keys count up; report accepted
   forever   raw RingWriter: write until killed (for SIGKILL tests); waits for "go" on stdin
   workload  Hook: seeded random stored/removed/cleared; report the engine's truth at the end
+  cache     the reference BlockCache (answers snapshots with its provider) under commands
+  plain     the README's integration: attach() + stored()/removed()/cleared(), no provider, so
+            snapshots come from the hook's own resident set; same commands as `cache`
 """
 
 from __future__ import annotations
@@ -158,6 +161,72 @@ def cache(a: dict[str, Any]) -> None:
         _emit({"published": sorted(cache.published()), "stats": hook.stats()})
 
 
+def plain(a: dict[str, Any]) -> None:
+    """An engine that cannot enumerate its cache, exactly as the README shows the hook."""
+    import engine_hook
+
+    hook = engine_hook.attach(
+        strict=True,
+        instance_id=a["instance_id"],
+        dp_rank=a.get("dp_rank", 0),
+        ring_name=a["ring"],
+        ring_capacity_slots=a.get("capacity", 0),
+        tp_rank=0,
+        tp_size=8,
+        model_name="llama-70b",
+        block_size_tokens=16,
+        group_block_bytes=(2_621_440,),
+        required_groups=(0,),
+        max_stage_delay_ms=2.0,
+    )
+    assert not isinstance(hook, engine_hook.NullHook)
+    rng = random.Random(a.get("seed", 0))
+    held: set[int] = set()
+    universe = a.get("blocks", 256) * 4
+    next_flood = 10**7
+    _emit({"ready": True, "boot_id": hook.stats()["boot_id"]})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "work":
+            for _ in range(cmd["n"]):
+                r = rng.random()
+                if r < 0.003:
+                    hook.cleared()
+                    held.clear()
+                elif r < 0.55:
+                    keys = [rng.randrange(universe) for _ in range(rng.randrange(1, 6))]
+                    hook.stored(keys if len(keys) > 1 else keys[0])
+                    held.update(keys)
+                elif held:
+                    gone = rng.sample(sorted(held), min(len(held), rng.randrange(1, 4)))
+                    hook.removed(np.array(gone, np.int64) if len(gone) > 1 else gone[0])
+                    held.difference_update(gone)
+        elif op == "flood":
+            # The issue's shape: one big stored(ndarray) burst (>= 10x the ring), then half of
+            # all held keys removed, in one flush.
+            with hook._flush_lock:
+                burst = np.arange(next_flood, next_flood + cmd["n"], dtype=np.int64)
+                next_flood += cmd["n"]
+                hook.stored(burst)
+                held.update(burst.tolist())
+                gone = rng.sample(sorted(held), len(held) // 2)
+                hook.removed(np.array(gone, np.int64))
+                held.difference_update(gone)
+        elif op == "exit":
+            hook.close()
+            _emit({"bye": True})
+            return
+        hook.flush(wait=True)
+        _emit({"published": sorted(held), "stats": hook.stats()})
+
+
 if __name__ == "__main__":
-    modes = {"burst": burst, "forever": forever, "workload": workload, "cache": cache}
+    modes = {
+        "burst": burst,
+        "forever": forever,
+        "workload": workload,
+        "cache": cache,
+        "plain": plain,
+    }
     modes[sys.argv[1]](json.loads(sys.argv[2]))

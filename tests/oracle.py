@@ -7,16 +7,23 @@ from sidecar.shm_ring import layout as L
 
 def fold(ops: list[tuple[int, int, int]]) -> dict[int, int]:
     """(kind, group, key) records in order -> key -> group mask of every key still held."""
-    state: dict[int, int] = {}
-    for kind, group, key in ops:
+    return {k: m for (k, _), m in fold_mediums([(kind, g, 0, k) for kind, g, k in ops]).items()}
+
+
+def fold_mediums(ops: list[tuple[int, int, int, int]]) -> dict[tuple[int, int], int]:
+    """(kind, group, medium, key) records in order -> (key, medium) -> group mask still held.
+
+    A clear empties every medium and group."""
+    state: dict[tuple[int, int], int] = {}
+    for kind, group, medium, key in ops:
         if kind == L.KIND_CLEARED:
             state.clear()
         elif kind == L.KIND_STORED:
-            state[key] = state.get(key, 0) | 1 << group
+            state[key, medium] = state.get((key, medium), 0) | 1 << group
         else:
-            v = state.get(key, 0) & ~(1 << group)
+            v = state.get((key, medium), 0) & ~(1 << group)
             if v:
-                state[key] = v
+                state[key, medium] = v
             else:
-                state.pop(key, None)
+                state.pop((key, medium), None)
     return state

@@ -98,12 +98,20 @@ def meta_group(meta: int) -> int:
     return (meta >> 8) & 0xFF
 
 
+def meta_medium(meta: int) -> int:
+    """Index into the producer descriptor's medium table (0 = its default medium)."""
+    return (meta >> 16) & 0xFF
+
+
 def segment_bytes(capacity: int) -> int:
     return HEADER_SIZE + capacity * SLOT_SIZE
 
 
+MIN_CAPACITY: Final = 8
+
+
 def valid_capacity(capacity: int) -> bool:
-    return capacity >= 16 and capacity & (capacity - 1) == 0 and capacity <= 1 << 26
+    return capacity >= MIN_CAPACITY and capacity & (capacity - 1) == 0 and capacity <= 1 << 26
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
@@ -152,14 +160,21 @@ def check_readable(version: int, slot_size: int) -> None:
         raise LayoutError(f"ring slot size {slot_size} != {SLOT_SIZE}: layout mismatch")
 
 
-# Snapshot segment: 64-byte header, then keys i64[count], then group masks u32[count].
+# Snapshot segment: 64-byte header, then keys i64[cap], group masks u32[cap] and, when the
+# header's SW_FLAGS has SNAP_FLAG_MEDIUMS, medium indexes u8[cap]. Producers from before mediums
+# leave SW_FLAGS zero and write 12-byte entries; readers then take every entry as medium 0.
 SNAP_MAGIC: Final = int.from_bytes(b"KVCMSNAP", "little")
 SNAP_HEADER_SIZE: Final = 64
 SW_MAGIC: Final = 0
 SW_REQ: Final = 1
 SW_COUNT: Final = 2
 SW_CAPACITY: Final = 3  # entries the segment can hold
+SW_FLAGS: Final = 4
+SNAP_FLAG_MEDIUMS: Final = 1
+SNAP_ENTRY_BYTES: Final = 13  # key 8 + mask 4 + medium 1
+SNAP_ENTRY_BYTES_V0: Final = 12  # without the medium column
 
 
-def snapshot_bytes(capacity_entries: int) -> int:
-    return SNAP_HEADER_SIZE + capacity_entries * 12
+def snapshot_bytes(capacity_entries: int, flags: int = SNAP_FLAG_MEDIUMS) -> int:
+    entry = SNAP_ENTRY_BYTES if flags & SNAP_FLAG_MEDIUMS else SNAP_ENTRY_BYTES_V0
+    return SNAP_HEADER_SIZE + capacity_entries * entry

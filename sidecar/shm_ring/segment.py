@@ -49,7 +49,7 @@ class Segment:
         lock_budget_s: float = 0.05,
     ) -> None:
         if capacity is not None and not L.valid_capacity(capacity):
-            raise L.LayoutError(f"ring capacity {capacity} must be a power of two in [16, 2^26]")
+            raise L.LayoutError(f"ring capacity {capacity} must be a power of two in [8, 2^26]")
         self.name = name
         flags = posix_ipc.O_CREAT if create else 0
         try:

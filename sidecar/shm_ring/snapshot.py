@@ -1,9 +1,10 @@
 """Snapshot exchange through the ring header and a companion segment `<ring>.snap`.
 
 Imports: stdlib, numpy, posix_ipc. Protocol: the reader bumps SNAP_REQ; the producer writes
-(keys, group masks) into the companion segment, then SEQ/COUNT/DROPPED/BOOT_ID, then SNAP_RESP =
-SNAP_REQ last. The snapshot equals the fold of every record with seq <= SEQ of that incarnation,
-so the reader replaces its state with it and applies only records after SEQ.
+(keys, group masks, medium indexes) into the companion segment, then SEQ/COUNT/DROPPED/BOOT_ID,
+then SNAP_RESP = SNAP_REQ last. The snapshot equals the fold of every record with seq <= SEQ of
+that incarnation (and of every record dropped before the answer), so the reader replaces its
+state with it and applies only records after SEQ.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Snapshot:
     dropped_at: int  # the ring's dropped counter at the fence
     keys: np.ndarray  # int64
     masks: np.ndarray  # uint32 group bitmask per key
+    mediums: np.ndarray  # uint8 medium index per key (0 from producers without mediums)
 
 
 class SnapshotFailed(Exception):
@@ -64,11 +66,18 @@ class SnapshotWriter:
             self._mm = mmap.mmap(shm.fd, size)
         finally:
             os.close(shm.fd)
-        self._cap = (size - L.SNAP_HEADER_SIZE) // 12
+        self._cap = (size - L.SNAP_HEADER_SIZE) // L.SNAP_ENTRY_BYTES
         return self._mm
 
     def publish(
-        self, req_id: int, seq: int, boot_id: int, dropped: int, keys: np.ndarray, masks: np.ndarray
+        self,
+        req_id: int,
+        seq: int,
+        boot_id: int,
+        dropped: int,
+        keys: np.ndarray,
+        masks: np.ndarray,
+        mediums: np.ndarray | None = None,
     ) -> None:
         n = len(keys)
         mm = self._ensure(n)
@@ -76,8 +85,12 @@ class SnapshotWriter:
         hv = np.ndarray((8,), np.uint64, buffer=mm)
         np.ndarray((n,), np.int64, buffer=mm, offset=L.SNAP_HEADER_SIZE)[:] = keys
         np.ndarray((n,), np.uint32, buffer=mm, offset=L.SNAP_HEADER_SIZE + 8 * cap)[:] = masks
+        med = np.ndarray((n,), np.uint8, buffer=mm, offset=L.SNAP_HEADER_SIZE + 12 * cap)
+        med[:] = 0 if mediums is None else mediums
+        del med
         hv[L.SW_COUNT] = n
         hv[L.SW_CAPACITY] = cap
+        hv[L.SW_FLAGS] = L.SNAP_FLAG_MEDIUMS
         hv[L.SW_REQ] = req_id
         hv[L.SW_MAGIC] = L.SNAP_MAGIC
         del hv
@@ -132,17 +145,29 @@ def poll(segment: Segment, req_id: int) -> Snapshot | None:
     try:
         hv = np.ndarray((8,), np.uint64, buffer=mm)
         cap = int(hv[L.SW_CAPACITY])
+        # The flags word outlives producers (the segment is reused across restarts): an older
+        # producer after a newer one leaves flags set but writes 12-byte entries. Trust the
+        # flags only if the size this answer's producer published matches them.
+        flags = int(hv[L.SW_FLAGS])
+        if int(h[L.W_SNAP_BYTES]) != L.snapshot_bytes(cap, flags):
+            flags = 0
         ok = (
             int(hv[L.SW_MAGIC]) == L.SNAP_MAGIC
             and int(hv[L.SW_REQ]) == req_id
             and int(hv[L.SW_COUNT]) == n
-            and L.snapshot_bytes(cap) <= size
+            and int(h[L.W_SNAP_BYTES]) == L.snapshot_bytes(cap, flags)
+            and L.snapshot_bytes(cap, flags) <= size
         )
         del hv
         if not ok:
             raise SnapshotFailed(f"snapshot segment does not hold the answer to request {req_id}")
         keys = np.ndarray((n,), np.int64, buffer=mm, offset=L.SNAP_HEADER_SIZE).copy()
         masks = np.ndarray((n,), np.uint32, buffer=mm, offset=L.SNAP_HEADER_SIZE + 8 * cap).copy()
+        if flags & L.SNAP_FLAG_MEDIUMS:
+            off = L.SNAP_HEADER_SIZE + 12 * cap
+            mediums = np.ndarray((n,), np.uint8, buffer=mm, offset=off).copy()
+        else:  # a producer from before mediums: everything is its default medium
+            mediums = np.zeros(n, np.uint8)
     finally:
         mm.close()
-    return Snapshot(req_id, boot_id, seq, dropped, keys, masks)
+    return Snapshot(req_id, boot_id, seq, dropped, keys, masks, mediums)

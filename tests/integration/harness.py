@@ -117,6 +117,9 @@ class Harness:
         self.sidecar: SidecarProc | None = None
         self.published: set[int] = set()
         self.seed = 1
+        # "cache": the reference BlockCache answers snapshots with its provider; "plain": the
+        # README's attach() + stored()/removed() engine, answered from the hook's resident set.
+        self.engine_mode = "cache"
 
     # ---- KVCM server ------------------------------------------------------------------------
     async def start_server(self) -> None:
@@ -168,7 +171,7 @@ class Harness:
         if self.engine is not None:
             self.engine.close()
         self.engine = EngineProc(
-            "cache",
+            self.engine_mode,
             {
                 "ring": self.ring,
                 "instance_id": self.instance_id,

@@ -55,8 +55,15 @@ def _metric(text: str, name: str, label: str = "") -> float:
     return total
 
 
-async def test_daemon_ring_overflow_resyncs_and_converges(tmp_path: Path) -> None:
+# The fault matrix runs on both snapshot paths: the BlockCache's provider, and the hook's own
+# resident set for an engine that only calls stored()/removed()/cleared() (issue #11).
+SNAPSHOT_PATHS = pytest.mark.parametrize("engine_mode", ["cache", "plain"])
+
+
+@SNAPSHOT_PATHS
+async def test_daemon_ring_overflow_resyncs_and_converges(tmp_path: Path, engine_mode: str) -> None:
     h = Harness(tmp_path, capacity=256)
+    h.engine_mode = engine_mode
     await h.start_server()
     try:
         h.start_engine(blocks=8192)
@@ -73,17 +80,25 @@ async def test_daemon_ring_overflow_resyncs_and_converges(tmp_path: Path) -> Non
         await h.close()
 
 
-async def test_daemon_sidecar_sigkill_and_restart_converges(h: Harness) -> None:
+@SNAPSHOT_PATHS
+async def test_daemon_sidecar_sigkill_and_restart_converges(h: Harness, engine_mode: str) -> None:
+    h.engine_mode = engine_mode
     side = await h.start_converged(200)
     side.kill()
     h.engine_cmd(op="work", n=300)  # changes while no sidecar runs, incl. evictions
+    out = h.engine_cmd(op="flood", n=2 * h.capacity)  # and the ring overflows meanwhile
+    assert out["stats"]["dropped"] > 0
     h.start_sidecar()
     await h.converge()
 
 
-async def test_daemon_engine_sigkill_hides_keys_then_new_engine_converges(h: Harness) -> None:
+@SNAPSHOT_PATHS
+async def test_daemon_engine_sigkill_hides_keys_then_new_engine_converges(
+    h: Harness, engine_mode: str
+) -> None:
     import time
 
+    h.engine_mode = engine_mode
     await h.start_converged(200)
     assert h.engine is not None
     h.engine.kill()

@@ -24,6 +24,10 @@ def test_demo_two_ranks_converges_and_exits_0() -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "every rank converged" in out.stdout
     assert "fault: SIGKILL the sidecar of rank 0" in out.stdout
+    # Issue #11: a ring overflow on the rank whose engine has no snapshot provider still ends
+    # converged (the hook's resident set holds the dropped transitions).
+    dropped = re.search(r"rank 1: ring dropped (\d+) records", out.stdout)
+    assert dropped is not None and int(dropped.group(1)) > 0, out.stdout[-3000:]
     # The demo ends with a short replay on the same KVCM: routing by KVCM's view must reuse
     # clearly more of the cache than round_robin, with every request served once and KVCM
     # matching every replay engine at the end.

@@ -85,6 +85,7 @@ def test_attach_tp0_pp1_publishes(ring_name: str) -> None:
         ({"KV_CACHE_EVENT_BLOCK_SIZE_TOKENS": "0"}, "block_size_tokens"),
         ({"KV_CACHE_EVENT_REQUIRED_GROUPS": "3"}, "required_groups"),
         ({"KV_CACHE_EVENT_MEDIUM": "h#m"}, "medium"),
+        ({"KV_CACHE_EVENT_MEDIUMS": "hbm,d#sk"}, "medium"),
     ],
 )
 def test_attach_bad_config_names_field(env: dict[str, str], field: str) -> None:
@@ -274,3 +275,85 @@ def test_import_engine_hook_loads_nothing_heavy() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_hook_medium_names_map_to_the_record_medium_index(ring_name: str) -> None:
+    hook = _attach(ring_name, medium="hbm", mediums=("mem", "hbm", "disk"), start_flusher=False)
+    assert hook.descriptor.medium_table() == ("hbm", "mem", "disk")  # the default is index 0
+    reader = RingReader(Segment(ring_name))
+    hook.stored(1)
+    hook.stored([2, 3], medium="mem")
+    hook.removed(np.array([4], np.int64), medium="disk")
+    hook.stored(5, medium="hbm")
+    hook.flush()
+    res = reader.read()
+    got = [(int(k), L.meta_kind(int(m)), L.meta_medium(int(m))) for _s, k, m, _p in res.records]
+    assert got == [
+        (1, L.KIND_STORED, 0),
+        (2, L.KIND_STORED, 1),
+        (3, L.KIND_STORED, 1),
+        (4, L.KIND_REMOVED, 2),
+        (5, L.KIND_STORED, 0),
+    ]
+    reader.close()
+    hook.close()
+
+
+def test_hook_unknown_medium_is_counted_never_raised(ring_name: str) -> None:
+    hook = _attach(ring_name, mediums=("hbm", "mem"), start_flusher=False)
+    hook.stored(1, medium="ssd")
+    hook.removed([1, 2], group=0, medium="ssd")
+    hook.stored(1, group=7)
+    hook.flush()
+    st = hook.stats()
+    assert st["problems"] == {"bad_medium": 2, "bad_group": 1}
+    assert st["last_seq"] == 0  # nothing of the refused calls reached the ring
+    hook.close()
+
+
+def test_hook_bad_key_inside_a_list_costs_only_itself(ring_name: str) -> None:
+    hook = _attach(ring_name, start_flusher=False)
+    reader = RingReader(Segment(ring_name))
+    hook.stored([1, "x", 2, 2**64, 3])
+    hook.flush()
+    assert [int(k) for k in reader.read().records[:, L.C_KEY]] == [1, 2, 3]
+    assert hook.stats()["problems"] == {"bad_key": 1}
+    reader.close()
+    hook.close()
+
+
+def test_snapshot_from_a_producer_without_mediums_reads_as_medium_0(ring_name: str) -> None:
+    from sidecar.shm_ring import snapshot
+
+    seg = Segment(ring_name, 64)
+    w = snapshot.SnapshotWriter(seg)
+    req = snapshot.request(seg)
+    w.publish(
+        req,
+        0,
+        1,
+        0,
+        np.array([7, 8], np.int64),
+        np.array([1, 1], np.uint32),
+        np.array([2, 1], np.uint8),
+    )
+    assert snapshot.poll(seg, req).mediums.tolist() == [2, 1]  # type: ignore[union-attr]
+    assert w._mm is not None
+    hv = np.ndarray((8,), np.uint64, buffer=w._mm)
+    hv[L.SW_FLAGS] = 0  # as a producer from before mediums leaves a fresh segment
+    seg.hdr[L.W_SNAP_BYTES] = L.snapshot_bytes(int(hv[L.SW_CAPACITY]), 0)
+    snap = snapshot.poll(seg, req)
+    assert snap is not None and snap.keys.tolist() == [7, 8] and snap.mediums.tolist() == [0, 0]
+    # An engine rolled back to such a producer after a newer one wrote the segment: the flags
+    # word is stale, but the answer's size (12-byte entries, its own capacity) tells.
+    hv[L.SW_FLAGS] = L.SNAP_FLAG_MEDIUMS
+    old_cap = (int(seg.hdr[L.W_SNAP_BYTES]) - L.SNAP_HEADER_SIZE) // 12
+    hv[L.SW_CAPACITY] = old_cap
+    seg.hdr[L.W_SNAP_BYTES] = L.snapshot_bytes(old_cap, 0)
+    np.ndarray((2,), np.uint32, buffer=w._mm, offset=L.SNAP_HEADER_SIZE + 8 * old_cap)[:] = 1
+    snap = snapshot.poll(seg, req)
+    assert snap is not None and snap.keys.tolist() == [7, 8] and snap.mediums.tolist() == [0, 0]
+    assert snap.masks.tolist() == [1, 1]
+    del hv
+    w.close()
+    seg.close()

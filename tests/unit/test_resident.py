@@ -9,12 +9,13 @@ from hypothesis import strategies as st
 from engine_hook import resident
 from engine_hook.resident import ResidentSet
 from sidecar.shm_ring import layout as L
-from tests.oracle import fold
+from tests.oracle import fold_mediums
 
 OPS = st.lists(
     st.tuples(
         st.sampled_from([L.KIND_STORED] * 6 + [L.KIND_REMOVED] * 4 + [L.KIND_CLEARED]),
         st.integers(0, 3),
+        st.sampled_from([0, 0, 0, 1, 2]),
         st.integers(-(2**63), 2**63 - 1) | st.integers(-50, 50),
     ),
     max_size=300,
@@ -29,7 +30,7 @@ OPS = st.lists(
     step=st.integers(1, 4),
 )
 def test_resident_set_equals_fold_of_all_ops(
-    ops: list[tuple[int, int, int]], chunk: int, fold_at: int, step: int
+    ops: list[tuple[int, int, int, int]], chunk: int, fold_at: int, step: int
 ) -> None:
     from sidecar.shm_ring import key_table
 
@@ -39,11 +40,11 @@ def test_resident_set_equals_fold_of_all_ops(
         rs = ResidentSet(capacity=16)  # tiny: forces growth and rebuilds
         for i in range(0, len(ops), chunk):
             part = ops[i : i + chunk]
-            keys = np.array([k for _, _, k in part], np.int64)
-            metas = np.array([L.pack_meta(kind, g) for kind, g, _ in part], np.uint64)
+            keys = np.array([k for *_, k in part], np.int64)
+            metas = np.array([L.pack_meta(kind, g, m) for kind, g, m, _ in part], np.uint64)
             rs.apply(keys, metas)
-        assert rs.as_dict() == fold(ops)
-        assert len(rs) == len(fold(ops))  # as_dict() folded everything queued
+        assert rs.as_dict() == fold_mediums(ops)
+        assert len(rs) == len(fold_mediums(ops))  # as_dict() folded everything queued
     finally:
         resident.FOLD_AT, key_table.REBUILD_STEP = old
 

@@ -1,0 +1,205 @@
+"""The hook never loses a transition: ring drops, snapshots and the resident set (hypothesis).
+
+A rule-based state machine drives the real hook (no provider, so snapshots answer from its own
+resident set) against a tiny real ring, with a sidecar-side view built the way EngineSync builds
+it: on a drop or gap, request a snapshot, buffer what is read meanwhile, replace the view with the
+snapshot and apply only records after its fence. The oracle is the fold of every call made.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+import engine_hook
+from engine_hook.hook import Hook
+from sidecar.shm_ring import layout as L
+from sidecar.shm_ring import snapshot
+from sidecar.shm_ring.reader import RingReader
+from sidecar.shm_ring.segment import Segment, unlink
+from tests.oracle import fold_mediums
+
+MEDIUMS = ("hbm", "mem", "disk")
+GROUPS = 3
+KEYS = st.integers(0, 24) | st.sampled_from([2**64 - 1, 2**63, -(2**63), 2**63 - 1])
+MEDIUM = st.sampled_from([None, None, "hbm", "mem", "disk"])
+
+
+def _signed(k: int) -> int:
+    return k - (1 << 64) if k >= 1 << 63 else k
+
+
+class SidecarView:
+    """What the sidecar believes the engine holds, rebuilt exactly as EngineSync does."""
+
+    def __init__(self, seg: Segment) -> None:
+        self.seg = seg
+        self.reader = RingReader(seg)
+        self.view: dict[tuple[int, int], int] = {}
+        self.req = 0
+        self.buffer: list[np.ndarray] = []
+        self.synced = False  # a fresh reader knows nothing until its first snapshot
+        self.request()
+
+    def request(self) -> None:
+        self.req = snapshot.request(self.seg)
+        self.buffer = []
+        self.synced = False
+
+    def apply(self, records: np.ndarray) -> None:
+        ops = [
+            (m & 0xFF, (m >> 8) & 0xFF, (m >> 16) & 0xFF, _signed(k))
+            for _s, k, m, _p in records.tolist()
+        ]
+        base = [
+            (L.KIND_STORED, g, med, k)
+            for (k, med), mask in self.view.items()
+            for g in range(32)
+            if mask >> g & 1
+        ]
+        self.view = fold_mediums(base + ops)
+
+    def drain(self, max_records: int) -> int:
+        res = self.reader.read(max_records)
+        if res.dropped or res.gap:
+            self.request()
+        if self.synced:
+            self.apply(res.records)
+        else:
+            self.buffer.append(res.records)
+            self.poll()
+        return len(res.records)
+
+    def poll(self) -> None:
+        snap = snapshot.poll(self.seg, self.req)
+        if snap is None:
+            return
+        held = snap.masks != 0
+        self.view = {}
+        for k, mask, med in zip(
+            snap.keys[held].tolist(),
+            snap.masks[held].tolist(),
+            snap.mediums[held].tolist(),
+            strict=True,
+        ):
+            self.view[k, med] = self.view.get((k, med), 0) | mask
+        for recs in self.buffer:
+            self.apply(recs[recs[:, L.C_SEQ] > snap.seq])
+        self.buffer = []
+        if int(self.seg.hdr[L.W_DROPPED]) > snap.dropped_at:
+            self.request()  # a record after the fence was lost: ask again
+            return
+        self.synced = True
+
+
+class HookDropsMachine(RuleBasedStateMachine):
+    hook: Hook
+    side: SidecarView
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, int, int, int]] = []
+        self.ring = ""
+
+    @initialize(capacity=st.sampled_from([8, 16, 32, 64]))
+    def attach(self, capacity: int) -> None:
+        self.ring = f"/kvcm-hyp-{uuid.uuid4().hex[:10]}"
+        hook = engine_hook.attach(
+            strict=True,
+            env={},
+            instance_id="hyp",
+            ring_name=self.ring,
+            ring_capacity_slots=capacity,
+            group_block_bytes=(64,) * GROUPS,
+            mediums=MEDIUMS,
+            start_flusher=False,  # the test decides when flushes (and snapshot answers) happen
+        )
+        assert isinstance(hook, Hook)
+        self.hook = hook
+        self.side = SidecarView(Segment(self.ring))
+
+    def _record(self, kind: int, keys: list[int], group: int, medium: str | None) -> None:
+        m = 0 if medium is None else MEDIUMS.index(medium)
+        self.calls.extend((kind, group, m, _signed(k)) for k in keys)
+
+    @rule(key=KEYS, group=st.integers(0, GROUPS - 1), medium=MEDIUM, stored=st.booleans())
+    def scalar(self, key: int, group: int, medium: str | None, stored: bool) -> None:
+        (self.hook.stored if stored else self.hook.removed)(key, group, medium=medium)
+        self._record(L.KIND_STORED if stored else L.KIND_REMOVED, [key], group, medium)
+
+    @rule(
+        keys=st.lists(KEYS, min_size=1, max_size=40),
+        group=st.integers(0, GROUPS - 1),
+        medium=MEDIUM,
+        stored=st.booleans(),
+        as_array=st.booleans(),
+        bad=st.sampled_from([None, None, None, 1.5, 2**64, "x"]),
+    )
+    def many(
+        self,
+        keys: list[int],
+        group: int,
+        medium: str | None,
+        stored: bool,
+        as_array: bool,
+        bad: Any,
+    ) -> None:
+        arg: Any = np.array([k & (2**64 - 1) for k in keys], np.uint64) if as_array else list(keys)
+        if bad is not None and not as_array:
+            arg.insert(len(arg) // 2, bad)  # a bad key costs only itself
+        (self.hook.stored if stored else self.hook.removed)(arg, group, medium=medium)
+        self._record(L.KIND_STORED if stored else L.KIND_REMOVED, keys, group, medium)
+
+    @rule()
+    def cleared(self) -> None:
+        self.hook.cleared()
+        self.calls.append((L.KIND_CLEARED, 0, 0, 0))
+
+    @rule()
+    def flush(self) -> None:
+        self.hook.flush()  # no flusher thread: this also answers a pending snapshot request
+
+    @rule(n=st.integers(1, 80))
+    def drain(self, n: int) -> None:
+        self.side.drain(n)
+
+    @precondition(lambda self: self.side.synced)
+    @rule()
+    def sidecar_requests_snapshot(self) -> None:
+        self.side.request()
+
+    @rule()
+    def converge_and_compare(self) -> None:
+        """Flush and drain until synced and caught up: the view is the fold of every call."""
+        for _ in range(20):
+            self.hook.flush()
+            while self.side.drain(1 << 16):
+                pass
+            if self.side.synced and self.side.reader.idle():
+                break
+        assert self.side.synced, "the sidecar never got a snapshot it could trust"
+        truth = fold_mediums(self.calls)
+        assert self.side.view == truth  # so nothing removed reappears, nothing stored is missing
+        assert self.hook.stats()["problems"].get("internal", 0) == 0
+
+    def teardown(self) -> None:
+        if not self.ring:
+            return
+        try:
+            self.converge_and_compare()
+        finally:  # a failing example must not leak its segments
+            self.hook.close()
+            self.side.reader.close()
+            self.side.seg.close()
+            unlink(self.ring)
+
+
+HookDropsMachine.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=40, deadline=None
+)
+test_hook_never_loses_a_transition_through_drops_and_snapshots = HookDropsMachine.TestCase
