@@ -37,7 +37,7 @@ class LocationSpec(msgspec.Struct, frozen=True):
 
 
 class CacheLocation(msgspec.Struct, frozen=True):
-    """One block's row: its location type (`event_report` for reported caches) and spec URIs."""
+    """One block's row: the storage type it is in (`ST_EVENT_REPORT_L1P5` ...) and spec URIs."""
 
     type: str = ""
     spec_size: int = 0

@@ -48,7 +48,7 @@ async def test_query_cache_location_prefix_stops_at_the_first_miss(api: Api) -> 
     q = QueryClient(api.session, api.base)
     rows = await q.get_cache_location(IID, KEYS)
     assert len(rows) == 3
-    assert rows[0].type == "event_report"
+    assert rows[0].type == "ST_EVENT_REPORT_L1P5"  # the storage the block was reported to
     assert rows[0].spec_size == len(rows[0].location_specs) == 2  # on A and on B
     assert rows[0].location_specs[0].uri.startswith("event_report://h/hbm")
     batch = await q.get_cache_location(IID, KEYS, query_type="QT_BATCH_GET")
@@ -75,3 +75,12 @@ async def test_query_kvcm_policy_routes_to_the_host_with_the_longest_prefix(api:
     )
     d = await r.decide(Request(0, 0.0, 4 * 512, 1, tuple(KEYS)), 0.0)
     assert (d.engine, d.predicted_blocks) == (1, 3)
+
+
+async def test_query_kvcm_policy_counts_a_failed_query_and_routes_on_load_alone() -> None:
+    async with aiohttp.ClientSession() as s:
+        q = QueryClient(s, "http://127.0.0.1:9", timeout_s=2)
+        r = Router("kvcm", [A, B], CostModel(block_tokens=512), seed=1, query=q, instance_id=IID)
+        r.started(0, 99, end=5.0)  # A is busy: with no cache view, B's empty queue wins
+        d = await r.decide(Request(0, 0.0, 4 * 512, 1, tuple(KEYS)), 0.0)
+        assert (d.engine, d.predicted_blocks, r.query_errors) == (1, 0, 1)
