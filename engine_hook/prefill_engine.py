@@ -1,11 +1,9 @@
-"""Prefill-only engine process for `kvcm-sidecar replay`: a FIFO queue in front of the reference
-block cache (LRU, capacity in blocks), reporting through the real hook and ring.
+"""Prefill-only engine process for `kvcm-sidecar replay`: a FIFO queue before the reference block
+cache (LRU, capacity in blocks) that reports through the real hook and ring.
 
-Imports: stdlib, engine_hook. Run as `python -m engine_hook.prefill_engine JSON`; JSON-line
-commands on stdin, JSON-line events on stdout (docs/operations.md "replay"). Time is virtual
-(trace seconds, wall = t0 + v / speed): a request starts at max(arrival, previous end), its
-cached prefix is looked up in the cache at that moment, and its blocks are stored when its prefill
-ends. Events are applied in virtual-time order, so a slow process is late, never out of order.
+Imports: stdlib, engine_hook. `python -m engine_hook.prefill_engine JSON`; JSON-line commands on
+stdin, events on stdout. Virtual time (wall = t0 + v / speed): a request starts at max(arrival,
+previous end), looks up its prefix then, stores its blocks at its end; events apply in v order.
 """
 
 from __future__ import annotations

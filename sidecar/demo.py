@@ -1,11 +1,9 @@
-"""`kvcm-sidecar demo`: the whole system on one machine, with a fault and a consistency check.
+"""`kvcm-sidecar demo`: the whole system on one machine, with faults, a check and a replay.
 
-Starts the KVCM-compatible server (--bootstrap), then per dp rank an engine simulator process
-and a sidecar process; shows live counters; restarts one sidecar mid-run and overflows the ring
-of another (an engine without a snapshot provider) by stopping its sidecar; quiets the engines;
-checks, per rank, that KVCM shows exactly the engine's published keys and prints latency; ends
-with a short replay (round_robin vs kvcm) on the same KVCM. Exit 0 only if every rank converged
-and the replay served every request once with KVCM matching. Imports: stdlib, aiohttp, sidecar.
+Starts the KVCM-compatible server, then per dp rank an engine simulator and a sidecar; shows live
+counters; restarts one sidecar and overflows another rank's ring; checks that KVCM shows exactly
+each engine's published keys; ends with a short replay (round_robin vs kvcm) on the same KVCM.
+Exit 0 only if all converged and the replay was consistent. Imports: stdlib, aiohttp, sidecar.
 """
 
 from __future__ import annotations
