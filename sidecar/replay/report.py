@@ -22,7 +22,7 @@ class Outcome:
     engine: int = -1
     cached: int = 0
     end_s: float = 0.0
-    done: int = 0  # 'done' events seen: exactly 1 when served once
+    done_on: list[int] = field(default_factory=list)  # engines that reported it done
     truth_blocks: int | None = None  # the chosen engine's cached prefix at arrival
     predicted_blocks: int | None = None  # what the policy believed it was
 
@@ -42,7 +42,7 @@ class PolicyRun:
     evictions: int = 0
 
     def served_once(self) -> bool:
-        return all(o.done == 1 for o in self.outcomes)
+        return all(o.done_on == [o.engine] for o in self.outcomes)
 
     def ttfts(self) -> list[float]:
         return sorted(o.ttft_s for o in self.outcomes)

@@ -59,6 +59,7 @@ class Replay:
         self.router: Router | None = None
         self.remaining = 0
         self.all_done = asyncio.Event()
+        self.runs: list[PolicyRun] = []
 
     def _on_event(self, engine: int, msg: dict[str, Any]) -> None:
         run, router = self.run, self.router
@@ -72,7 +73,7 @@ class Replay:
             o.cached, o.end_s = int(msg["cached"]), float(msg["end"])
             router.started(engine, int(msg["id"]), o.end_s)
         elif ev == "done":
-            o.done += 1
+            o.done_on.append(engine)
             self.remaining -= 1
             if self.remaining <= 0:
                 self.all_done.set()
@@ -148,7 +149,7 @@ class Replay:
                 f"{self.stack.endpoint}; {len(self.requests)} requests at speed {cfg.speed:g}\n"
             )
             out.flush()
-            runs = []
+            runs: list[PolicyRun] = []
             async with aiohttp.ClientSession() as s:
                 for name in cfg.policies:
                     t = time.monotonic()
