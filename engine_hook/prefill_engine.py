@@ -76,7 +76,7 @@ class PrefillEngine:
         self.last_end = 0.0
         self.t0 = time.monotonic()
         self.speed = 1.0
-        self.evictions_before = 0  # the cache's count when this run began
+        self.evictions_before = self.dropped_before = 0  # the counts when this run began
 
     def now_v(self) -> float:
         return (time.monotonic() - self.t0) * self.speed
@@ -127,6 +127,7 @@ class PrefillEngine:
             self.t0, self.speed = float(msg["t0"]), float(msg["speed"])
             self.last_end = 0.0
             self.evictions_before = self.cache.evictions
+            self.dropped_before = self.hook.stats()["dropped"]
             _emit({"ev": "epoch"})
         elif op == "reset":
             self.advance(float("inf"))
@@ -142,7 +143,7 @@ class PrefillEngine:
                     "ev": "dump",
                     "published": [str(k) for k in pub],
                     "evictions": self.cache.evictions - self.evictions_before,
-                    "dropped": self.hook.stats()["dropped"],
+                    "dropped": self.hook.stats()["dropped"] - self.dropped_before,
                 }
             )
         elif op == "exit":

@@ -40,6 +40,7 @@ class PolicyRun:
     query_errors: int = 0
     dispatch_late_s: list[float] = field(default_factory=list)  # wall s behind the trace
     evictions: int = 0
+    ring_dropped: int = 0  # records the engines' rings dropped (the sidecars then resync)
 
     def served_once(self) -> bool:
         return all(o.done_on == [o.engine] for o in self.outcomes)
@@ -79,6 +80,7 @@ class PolicyRun:
             "view_mismatch_share": self.mismatch_share(),
             "query_errors": self.query_errors,
             "evictions": self.evictions,
+            "ring_dropped": self.ring_dropped,
             "dispatch_late_p99_wall_s": percentile(late, 0.99),
         }
 

@@ -130,6 +130,7 @@ class Replay:
             dump = await eng.call({"op": "dump"})
             want[rk.host] = set(dump["published"])
             run.evictions += int(dump["evictions"])
+            run.ring_dropped += int(dump["dropped"])
         run.consistent = await st.converge(s, want)
         run.query_errors = router.query_errors
         self.run = self.router = None
