@@ -136,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--duration", type=float, default=12.0, help="seconds of workload")
     d.add_argument("--ranks", type=int, default=2, help="dp ranks (engine + sidecar each)")
     d.add_argument("--seed", type=int, default=1, help="workload seed")
+    _sub(
+        sub,
+        "include-dir",
+        "print the directory of kvcm_ring.h (C/C++ producers)",
+        "Print the directory of kvcm_ring.h, the header-only ring producer for C and C++ "
+        "engines, so a build can use -I$(kvcm-sidecar include-dir).",
+    )
     s = _sub(
         sub,
         "kvcm-server",
@@ -296,6 +303,13 @@ async def run_kvcm_server(args: argparse.Namespace) -> None:
 EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_BUSY, EXIT_RING = 0, 1, 2, 3, 4
 
 
+def include_dir() -> Path:
+    """Where the installed (or source-tree) engine_hook keeps kvcm_ring.h."""
+    import engine_hook
+
+    return Path(engine_hook.__file__).resolve().parent / "include"
+
+
 def load_config(args: argparse.Namespace) -> Config:
     overrides: dict[str, str] = {}
     for item in args.set:
@@ -340,6 +354,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command is None:
         parser.print_help()
         sys.exit(EXIT_CONFIG)
+    if args.command == "include-dir":
+        sys.stdout.write(f"{include_dir()}\n")
+        sys.exit(EXIT_OK)
     import uvloop
 
     if args.command == "demo":
