@@ -756,7 +756,7 @@ static inline int kvcm__validate(const kvcm_descriptor *d, kvcm_ring *r, char *e
     if (kvcm__add_medium(m, strlen(m), &t) || kvcm__each_item(d->mediums, kvcm__add_medium, &t))
         return -1;
     if (!(d->max_stage_delay_ms > 0) || !isfinite(d->max_stage_delay_ms)) {
-        snprintf(err, len, "max_stage_delay_ms must be > 0");
+        snprintf(err, len, "max_stage_delay_ms must be a finite number > 0");
         return -1;
     }
     return 0;
