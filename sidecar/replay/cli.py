@@ -50,7 +50,7 @@ def main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     out.write(f"kvcm-sidecar replay: {source}, policies {','.join(cfg.policies)}\n")
     try:
         doc, runs = replay(requests, cfg, out=out)
-    except StackError as exc:
+    except (StackError, OSError) as exc:  # a child died or stopped answering: no report
         sys.stderr.write(f"kvcm-sidecar replay: {exc}\n")
         return EXIT_FAILED
     doc["trace"] = source

@@ -79,8 +79,11 @@ class Engine:
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.probes[rid] = fut
         self.send_nowait({"op": "probe", "id": rid, "keys": keys, "at": at})
-        async with asyncio.timeout(10):
-            return await fut
+        try:
+            async with asyncio.timeout(10):
+                return await fut
+        except TimeoutError:
+            raise StackError(f"engine{self.rank}: no answer to a probe in 10 s") from None
 
 
 @dataclass
