@@ -1,6 +1,6 @@
 """`kvcm-sidecar demo --source zmq`: the demo with vLLM-format ZMQ engines instead of the ring.
 
-Imports: stdlib, aiohttp, sidecar.demo, engine_hook.zmq_publisher (engines as child processes).
+Imports: stdlib, aiohttp, sidecar.child, engine_hook.zmq_publisher (engines as child processes).
 Rank 0 publishes int hashes, rank 1 32-byte digests, both on GPU and CPU; rank 0 loses batches
 on its PUB socket (the replay covers them), rank 1's sidecar is SIGKILLed and restarted (it
 replays from its checkpoint). Exit 0 only if KVCM shows each engine's (key, medium) truth.
@@ -9,7 +9,6 @@ replays from its checkpoint). Exit 0 only if KVCM shows each engine's (key, medi
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import signal
 import sys
@@ -23,7 +22,7 @@ from typing import Any
 import aiohttp
 
 from engine_hook.zmq_publisher import PublisherProcess
-from sidecar.demo import PY, Proc, _spawn, start_kvcm_server
+from sidecar.child import Proc, start_kvcm_server, start_sidecar
 
 KVCM_MEDIUM = {"GPU": "hbm", "CPU": "mem"}
 RATE = 4000.0  # block events/s per engine
@@ -66,29 +65,23 @@ class ZmqDemo:
     async def start_sidecar(self, rk: ZRank) -> None:
         assert rk.pub is not None
         ready = rk.pub.ready
-        env = {
-            **os.environ,
-            "KV_CACHE_EVENT_MANAGER_ENDPOINT": self.base,
-            "KV_CACHE_EVENT_INSTANCE_ID": self.instance,
-            "KV_CACHE_EVENT_DP_RANK": str(rk.r),
-            "KV_CACHE_EVENT_HOST_IP_PORT": rk.host,
-            "KV_CACHE_EVENT_METRICS_ADDR": "127.0.0.1:0",
-            "KV_CACHE_EVENT_LOG_FORMAT": "json",
-            "KV_CACHE_EVENT_REPORT_HEARTBEAT_INTERVAL_S": "0.5",
-            "KV_CACHE_EVENT_SOURCE": "zmq",
-            "KV_CACHE_EVENT_ZMQ_ENDPOINT": ready["pub"],
-            "KV_CACHE_EVENT_ZMQ_REPLAY_ENDPOINT": ready["replay"],
-            "KV_CACHE_EVENT_ZMQ_BIND": "false",  # the engine binds (as vLLM does for tcp://*:P)
-            "KV_CACHE_EVENT_ZMQ_CHECKPOINT_INTERVAL_S": "0.5",
-            "KV_CACHE_EVENT_STATE_DIR": str(self.tmp / f"state{rk.r}"),
-        }
-        rk.sidecar = await _spawn(
-            f"sidecar{rk.r}", PY, "-m", "sidecar.cli", "run", env=env, tasks=self.tasks
+        rk.sidecar, rk.metrics_port = await start_sidecar(
+            self.tasks,
+            endpoint=self.base,
+            instance_id=self.instance,
+            dp_rank=rk.r,
+            host=rk.host,
+            ring="",  # unused: the source is the engine's ZMQ stream
+            env={
+                "KV_CACHE_EVENT_REPORT_HEARTBEAT_INTERVAL_S": "0.5",
+                "KV_CACHE_EVENT_SOURCE": "zmq",
+                "KV_CACHE_EVENT_ZMQ_ENDPOINT": ready["pub"],
+                "KV_CACHE_EVENT_ZMQ_REPLAY_ENDPOINT": ready["replay"],
+                "KV_CACHE_EVENT_ZMQ_BIND": "false",  # the engine binds (as vLLM does, tcp://*:P)
+                "KV_CACHE_EVENT_ZMQ_CHECKPOINT_INTERVAL_S": "0.5",
+                "KV_CACHE_EVENT_STATE_DIR": str(self.tmp / f"state{rk.r}"),
+            },
         )
-        line = await rk.sidecar.expect(
-            lambda x: isinstance(x, dict) and "http listening" in str(x.get("msg", ""))
-        )
-        rk.metrics_port = int(line["msg"].rsplit(":", 1)[1])
         await self.call(rk, "wait_subscribers", n=1)
 
     async def run(self) -> int:
