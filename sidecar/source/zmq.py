@@ -108,11 +108,13 @@ class Stream:
         self.forgets: Counter[str] = Counter()
         self.restarts = 0
         self.changed = False  # the key state may have changed since the owner last looked
+        self.pristine = True  # nothing applied or loaded yet (a forget would lose nothing)
 
     # ---- entry points ------------------------------------------------------------------------
     def start(self, checkpoint: ckpt.Checkpoint | None, loaded: bool) -> None:
         """At sidecar start: prove a loaded checkpoint, or replay from 0 without one."""
         if checkpoint is not None and loaded:
+            self.pristine = False
             self.last_seq = checkpoint.last_seq
             self.last_digest = checkpoint.digest
             self.expected = checkpoint.last_seq + 1
@@ -160,19 +162,19 @@ class Stream:
                 return
             if seq >= self._replayed_top:
                 self._replayed.clear()
-        if exp is None or seq == exp:
+        if exp is None and self.pristine and seq and self.can_replay and self.replay is None:
+            # The first batch seen is not the engine's first (its start replay went unanswered
+            # while the engine was down): its earlier batches may still be in its buffer.
+            self._ask(0, None, "start").live.append((seq, payload))
+        elif exp is None or seq == exp:
             self._apply(seq, payload, replayed=False)
         elif seq > exp:
             self.gaps += 1
             log.warning("zmq seq gap expected=%d got=%d", exp, seq)
             if self.can_replay and self.last_seq >= 0:
-                self._ask(self.last_seq, self._last_digest(), "gap")
-                assert self.replay is not None
-                self.replay.live.append((seq, payload))
+                self._ask(self.last_seq, self._last_digest(), "gap").live.append((seq, payload))
             elif self.can_replay:
-                self._ask(exp, None, "gap")
-                assert self.replay is not None
-                self.replay.live.append((seq, payload))
+                self._ask(exp, None, "gap").live.append((seq, payload))
             else:
                 self.forget(F_NO_REPLAY, f"seq gap {exp}..{seq - 1} and no replay endpoint")
                 self._apply(seq, payload, replayed=False)
@@ -185,9 +187,7 @@ class Stream:
             self.last_seq = -1
             self.expected = None
             if seq and self.can_replay:  # the new life's first batches went by: ask for them
-                self._ask(0, None, "restart")
-                assert self.replay is not None
-                self.replay.live.append((seq, payload))
+                self._ask(0, None, "restart").live.append((seq, payload))
             else:
                 self._apply(seq, payload, replayed=False)
 
@@ -214,9 +214,7 @@ class Stream:
                 self.expected = None
                 self.replays["restart"] += 1
                 self.discard_ends += 1
-                self._ask(0, None, "restart")
-                assert self.replay is not None
-                self.replay.live = r.live
+                self._ask(0, None, "restart").live = r.live
                 return
             self._uncovered(F_UNCOVERED, f"replay from {r.start} began at {seq}")
             r.proof = None
@@ -257,7 +255,14 @@ class Stream:
             return False
         self.replays["timeout"] += 1
         self.discard_ends = 0  # the socket side opens a fresh DEALER: nothing stale arrives
-        self.forget(F_TIMEOUT, f"no replay from {r.start} within {self.replay_timeout_s}s")
+        if r.why == "start" and not r.replies:
+            # Nothing held yet, nothing to forget: the engine is not up (a sidecar started
+            # first); its first batches will show as a gap or a start from 0.
+            log.info(
+                "zmq start replay unanswered within %ss: following live", self.replay_timeout_s
+            )
+        else:
+            self.forget(F_TIMEOUT, f"no replay from {r.start} within {self.replay_timeout_s}s")
         self.expected = None
         self.replay = None
         self._drain_held(r)
@@ -276,6 +281,9 @@ class Stream:
 
     def forget(self, reason: str, detail: str) -> None:
         """The counts can no longer be trusted: empty them; KVCM gets an authoritative snapshot."""
+        if self.pristine:  # nothing was ever held: nothing to lose (the registration snapshot
+            log.info("zmq source starts mid-stream reason=%s detail=%s", reason, detail)
+            return  # already tells KVCM exactly what we hold: nothing)
         self._pend = []
         self.counts.clear()
         self.forgets[reason] += 1
@@ -298,11 +306,12 @@ class Stream:
             self.last_payload = None  # hash once; keep the digest
         return self.last_digest
 
-    def _ask(self, start: int, proof: bytes | None, why: str) -> None:
+    def _ask(self, start: int, proof: bytes | None, why: str) -> _Replay:
         self.flush()
-        self.replay = _Replay(start, proof, self.clock() + self.replay_timeout_s, why)
+        r = self.replay = _Replay(start, proof, self.clock() + self.replay_timeout_s, why)
         self.want_replay = start
         log.info("zmq replay requested from=%d why=%s", start, why)
+        return r
 
     def _uncovered(self, reason: str, detail: str) -> None:
         assert self.replay is not None
@@ -343,6 +352,7 @@ class Stream:
                 return
 
     def _apply(self, seq: int, payload: bytes, *, replayed: bool) -> None:
+        self.pristine = False
         d = self.decoder.decode(payload)
         if not d.ok:
             reason = d.error.split(":", 1)[0]

@@ -308,3 +308,19 @@ def test_zmq_stream_a_replay_outrun_by_the_live_stream_is_abandoned(
     s.on_replay_end()
     s.on_live(6, payload([stored(6)]))
     assert published(s) == {5, 6} and s.forgets == {"live_backlog": 1}
+
+
+def test_zmq_stream_unanswered_start_replay_is_no_forget() -> None:
+    """A sidecar started before its engine: nothing was held, so nothing is forgotten."""
+    now = [0.0]
+    s = stream(clock=lambda: now[0])
+    s.start(None, loaded=False)
+    assert s.want_replay == 0
+    now[0] = 3.0
+    assert s.check_deadline() and s.forgets == {} and s.replays["timeout"] == 1
+    s.on_live(3, payload([stored(4)]))  # the engine came up meanwhile: ask for its start
+    assert replaying(s) and s.want_replay == 0
+    for seq in range(4):
+        s.on_replayed(seq, payload([stored(seq + 1)]))
+    s.on_replay_end()
+    assert published(s) == {1, 2, 3, 4} and s.forgets == {}
