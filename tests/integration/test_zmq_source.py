@@ -352,3 +352,33 @@ async def test_zmq_source_endpoint_conflict_exits_1_naming_the_endpoint(z: ZmqHa
     line = side.wait_line("cannot bind")
     assert z.pub.ready["pub"] in line and "source.zmq.bind" in line
     assert side.p.wait(timeout=20) == 1
+
+
+async def test_zmq_source_sidecar_started_before_its_engine_forgets_nothing(
+    z: ZmqHarness,
+) -> None:
+    """As a Kubernetes native sidecar starts: before the engine binds its ports."""
+    import socket
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            ports.append(sk.getsockname()[1])
+    pub_ep, rep_ep = (f"tcp://127.0.0.1:{p}" for p in ports)
+    z.h.start_sidecar(
+        **{
+            **ZMQ_SETTINGS,
+            "source.zmq.endpoint": pub_ep,
+            "source.zmq.replay_endpoint": rep_ep,
+            "source.zmq.replay_timeout_s": "0.3",
+            "source.state_dir": str(z.state_dir),
+        }
+    )
+    await z.settle(lambda s: s["zmq_replays"].get("timeout", 0) >= 1)  # nobody answered
+    pub = z.start_engine(endpoint=pub_ep, replay_endpoint=rep_ep, bind=True)
+    pub.call("wait_subscribers", n=1)
+    z.workload(800)
+    await z.converge()
+    st = await z.settle(lambda s: s["state"] == "READY")
+    assert _forgets(st) == {}
