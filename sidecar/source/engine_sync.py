@@ -105,11 +105,10 @@ class EngineSync:
         if self.status is Sync.WAITING:
             self._buffer.append(records)
             self._buffered += len(records)
-            if self._buffered > 4 * self.reader.capacity:
+            self._poll_snapshot(out)  # first: an answer already there empties the backlog
+            if self.status is Sync.WAITING and self._buffered > 4 * self.reader.capacity:
                 # The engine writes but does not answer: do not hold an unbounded backlog.
                 self.request("buffer_overflow")
-                return out
-            self._poll_snapshot(out)
         else:
             self.keys.apply(self._known(records))
         return out
