@@ -105,6 +105,10 @@ class ReportConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True
     batch_max_keys: PosInt = 4096
     heartbeat_interval_s: PosFloat = 1.0
     periodic_snapshot_s: PosFloat = 300.0
+    # After a delta got no answer (timeout, broken connection), KVCM may still apply it later
+    # with older state than its retry; the reconciling snapshot waits this long so that such a
+    # straggler lands first (docs/wire.md).
+    ambiguous_snapshot_delay_s: NonNegFloat = 5.0
     backoff_base_s: PosFloat = 0.5
     backoff_cap_s: PosFloat = 30.0
     retry_after_cap_s: PosFloat = 300.0

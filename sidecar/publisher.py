@@ -28,6 +28,8 @@ from sidecar.kvcm_client.client import Action, KvcmClient, Result
 from sidecar.source.base import Identity, Source, SourceRejected, Watch
 
 log = logging.getLogger(__name__)
+# Failures after the request may have reached KVCM: it may still apply them (docs/wire.md).
+AMBIGUOUS = frozenset({"timeout", "transport"})
 
 
 class State(enum.IntEnum):
@@ -376,6 +378,16 @@ class Publisher:
             self.counters["partial_failures"] += 1
         else:
             self.keys.confirm(batch, range(len(batch)))
+        if result.reason in AMBIGUOUS:
+            # KVCM may have this request and apply it after its retry (requests carry no order),
+            # leaving an older state of these keys last. An authoritative snapshot, sent once
+            # such a straggler has had time to land, puts KVCM back on the truth; deltas go on.
+            self.counters["ambiguous_deltas"] += 1
+            self.need_snapshot = True
+            self.snapshot_not_before = max(
+                self.snapshot_not_before,
+                self.clock() + self.cfg.report.ambiguous_snapshot_delay_s,
+            )
         self._fail("delta", result)
 
     async def host_down(self, budget_s: float) -> bool:

@@ -207,6 +207,9 @@ def plain(a: dict[str, Any]) -> None:
                     gone = rng.sample(sorted(held), min(len(held), rng.randrange(1, 4)))
                     hook.removed(np.array(gone, np.int64) if len(gone) > 1 else gone[0])
                     held.difference_update(gone)
+        elif op in ("store", "remove"):  # exact keys, for tests that need a given history
+            (hook.stored if op == "store" else hook.removed)(cmd["keys"])
+            (held.update if op == "store" else held.difference_update)(cmd["keys"])
         elif op == "flood":
             # The shape: one big stored(ndarray) burst (>= 10x the ring), then half of
             # all held keys removed, in one flush.

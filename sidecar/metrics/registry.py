@@ -41,6 +41,11 @@ METRICS: dict[str, tuple[str, str]] = {
     "kvcm_sidecar_heartbeat_failures": ("gauge", "Consecutive heartbeat failures."),
     "kvcm_sidecar_heartbeat_age_seconds": ("gauge", "Seconds since the last good heartbeat."),
     "kvcm_sidecar_snapshots_committed": ("counter", "Authoritative snapshots KVCM committed."),
+    "kvcm_sidecar_ambiguous_deltas": (
+        "counter",
+        "Deltas with no answer after sending (timeout, broken connection): KVCM may still apply"
+        " them after their retry, so a snapshot follows.",
+    ),
     "kvcm_sidecar_snapshot_keys": ("counter", "Keys sent in snapshots."),
     "kvcm_sidecar_snapshot_bytes": ("counter", "Request bytes sent in snapshots."),
     "kvcm_sidecar_snapshot_rate_limited": ("counter", "Snapshots answered SNAPSHOT_RATE_LIMITED."),
@@ -227,6 +232,7 @@ class _PublisherCollector(Collector):
         age = p.clock() - p.heartbeat_ok_at if p.heartbeat_ok_at else -1.0
         yield gauge("kvcm_sidecar_heartbeat_age_seconds", age)
         yield counter("kvcm_sidecar_snapshots_committed", p.counters["snapshots_committed"])
+        yield counter("kvcm_sidecar_ambiguous_deltas", p.counters["ambiguous_deltas"])
         yield counter("kvcm_sidecar_snapshot_keys", p.counters["snapshot_keys"])
         yield counter("kvcm_sidecar_snapshot_bytes", p.counters["snapshot_bytes"])
         yield counter("kvcm_sidecar_snapshot_rate_limited", p.counters["snapshot_rate_limited"])
