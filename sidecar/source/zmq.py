@@ -27,7 +27,7 @@ from sidecar.source import checkpoint as ckpt
 from sidecar.source.base import Identity, Watch, WatchResult
 from sidecar.source.block_counts import BlockCounts
 from sidecar.source.health import probe
-from sidecar.source.zmq_events import EventDecoder, Segment, to_blocks
+from sidecar.source.zmq_events import Decoded, EventDecoder, Segment, to_blocks
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,9 @@ def digest(payload: bytes) -> bytes:
     return ckpt.digest(payload)
 
 
+Held = tuple[int, bytes, Decoded | None]  # a live batch held during a replay (decoded or not)
+
+
 @dataclass
 class _Replay:
     start: int  # the seq asked for
@@ -62,9 +65,13 @@ class _Replay:
     deadline: float
     why: str
     next: int = -1  # the next seq to apply from the replay (-1: the first reply decides)
-    live: deque[tuple[int, bytes]] = field(default_factory=deque)  # held meanwhile
+    live: deque[Held] = field(default_factory=deque)  # held meanwhile
     proven: bool = False
     replies: int = 0
+    # Held batches received before this request went out: a proof refutes their seq (the
+    # engine that answered after them is still the life we follow).
+    before: int = 0
+    hollow: bool = False  # follows a forget, nothing applied yet: the empty state is true
 
 
 class Stream:
@@ -109,6 +116,7 @@ class Stream:
         self.restarts = 0
         self.changed = False  # the key state may have changed since the owner last looked
         self.pristine = True  # nothing applied or loaded yet (a forget would lose nothing)
+        self.start_timeouts = 0  # start replays gone unanswered (after 2: follow live)
 
     # ---- entry points ------------------------------------------------------------------------
     def start(self, checkpoint: ckpt.Checkpoint | None, loaded: bool) -> None:
@@ -139,7 +147,7 @@ class Stream:
         if self.replay is None:
             self._ask(self.last_seq, self._last_digest(), "engine_recovered")
 
-    def on_live(self, seq: int, payload: bytes) -> None:
+    def on_live(self, seq: int, payload: bytes, pre: Decoded | None = None) -> None:
         r = self.replay
         if r is not None:
             if len(r.live) >= MAX_HELD_LIVE:
@@ -151,7 +159,7 @@ class Stream:
                 self.expected = None
                 self.discard_ends += 1
             else:
-                r.live.append((seq, payload))
+                r.live.append((seq, payload, pre))
                 return
         exp = self.expected
         if self._replayed:
@@ -162,34 +170,38 @@ class Stream:
                 return
             if seq >= self._replayed_top:
                 self._replayed.clear()
-        if exp is None and self.pristine and seq and self.can_replay and self.replay is None:
-            # The first batch seen is not the engine's first (its start replay went unanswered
-            # while the engine was down): its earlier batches may still be in its buffer.
-            self._ask(0, None, "start").live.append((seq, payload))
-        elif exp is None or seq == exp:
-            self._apply(seq, payload, replayed=False)
-        elif seq > exp:
+        if exp is None or seq == exp:
+            if exp is None and self.pristine and seq and self.can_replay:
+                if self.start_timeouts < 2:
+                    # The first batch seen is not the engine's first (its start replay went
+                    # unanswered while the engine was down): its earlier batches may still be
+                    # in its buffer. Asked twice in vain: the endpoint does not answer.
+                    self._ask(0, None, "start").live.append((seq, payload, pre))
+                    return
+            self._apply(seq, payload, replayed=False, pre=pre)
+            return
+        # An unexpected seq proves nothing until its payload reads: junk is dropped (a real
+        # batch lost that way shows as a gap at the next one, which the replay repairs).
+        d = pre if pre is not None else self.decoder.decode(payload)
+        if not d.ok:
+            self._malformed(seq, d)
+            return
+        if seq > exp:
             self.gaps += 1
             log.warning("zmq seq gap expected=%d got=%d", exp, seq)
             if self.can_replay and self.last_seq >= 0:
-                self._ask(self.last_seq, self._last_digest(), "gap").live.append((seq, payload))
+                self._ask(self.last_seq, self._last_digest(), "gap", (seq, payload, d))
             elif self.can_replay:
-                self._ask(exp, None, "gap").live.append((seq, payload))
+                self._ask(exp, None, "gap", (seq, payload, d))
             else:
                 self.forget(F_NO_REPLAY, f"seq gap {exp}..{seq - 1} and no replay endpoint")
-                self._apply(seq, payload, replayed=False)
+                self._apply(seq, payload, replayed=False, pre=d)
+        elif self.can_replay and self.last_seq >= 0:
+            # Backwards: an engine restart, or a stray batch. The engine's buffer tells: the
+            # batch applied last still there (same life: drop this one) or not (restart).
+            self._ask(self.last_seq, self._last_digest(), "back", (seq, payload, d))
         else:
-            self.restarts += 1
-            self._replayed.clear()
-            self.forget(F_RESTART, f"seq went back from {exp - 1} to {seq}")
-            self.incarnation = secrets.randbits(63) | 1
-            self.last_payload = self.last_digest = None
-            self.last_seq = -1
-            self.expected = None
-            if seq and self.can_replay:  # the new life's first batches went by: ask for them
-                self._ask(0, None, "restart").live.append((seq, payload))
-            else:
-                self._apply(seq, payload, replayed=False)
+            self._restart(F_RESTART, f"seq went back from {exp - 1} to {seq}", [(seq, payload, d)])
 
     def on_replayed(self, seq: int, payload: bytes) -> None:
         r = self.replay
@@ -198,6 +210,7 @@ class Stream:
         if self.discard_ends:
             return  # the rest of a reply given up on (its end marker is still to come)
         r.replies += 1
+        r.deadline = self.clock() + self.replay_timeout_s  # a long replay still arriving lives
         if r.proof is not None and not r.proven:
             if seq == r.start and digest(payload) == r.proof:
                 r.proven = True
@@ -206,17 +219,14 @@ class Stream:
             if seq == r.start:
                 # Another batch under that seq: another engine life. All of it may still be
                 # in the engine's buffer: forget, then ask for it from 0.
-                self.restarts += 1
                 why = F_CHECKPOINT if r.why == "checkpoint" else F_RESTART
-                self.forget(why, f"the batch at seq {seq} differs from the one applied")
-                self.incarnation = secrets.randbits(63) | 1
-                self.last_seq, self.last_payload, self.last_digest = -1, None, None
-                self.expected = None
                 self.replays["restart"] += 1
                 self.discard_ends += 1
-                self._ask(0, None, "restart").live = r.live
+                self.replay = None
+                self._restart(why, f"the batch at seq {seq} differs from the one applied", r.live)
                 return
-            self._uncovered(F_UNCOVERED, f"replay from {r.start} began at {seq}")
+            reason = F_CHECKPOINT if r.why == "checkpoint" else F_UNCOVERED
+            self._uncovered(reason, f"replay from {r.start} began at {seq}")
             r.proof = None
             r.next = seq
         if r.next < 0:
@@ -240,6 +250,12 @@ class Stream:
         r = self.replay
         if r is None:
             return
+        if r.proof is not None and not r.proven and r.why == "back":
+            # The batch applied last is gone from the buffer: the seq went back for good.
+            self.replays["restart"] += 1
+            self.replay = None
+            self._restart(F_RESTART, f"seq went back to {r.live[0][0]}", r.live)
+            return
         if r.proof is not None and not r.proven:
             reason = F_CHECKPOINT if r.why == "checkpoint" else F_UNCOVERED
             self._uncovered(reason, f"replay from {r.start} returned nothing")
@@ -256,6 +272,7 @@ class Stream:
         self.replays["timeout"] += 1
         self.discard_ends = 0  # the socket side opens a fresh DEALER: nothing stale arrives
         if r.why == "start" and not r.replies:
+            self.start_timeouts += 1
             # Nothing held yet, nothing to forget: the engine is not up (a sidecar started
             # first); its first batches will show as a gap or a start from 0.
             log.info(
@@ -306,12 +323,39 @@ class Stream:
             self.last_payload = None  # hash once; keep the digest
         return self.last_digest
 
-    def _ask(self, start: int, proof: bytes | None, why: str) -> _Replay:
+    def _ask(
+        self, start: int, proof: bytes | None, why: str, held: Held | None = None
+    ) -> _Replay:
         self.flush()
         r = self.replay = _Replay(start, proof, self.clock() + self.replay_timeout_s, why)
+        if held is not None:
+            r.live.append(held)
+            r.before = 1
         self.want_replay = start
         log.info("zmq replay requested from=%d why=%s", start, why)
         return r
+
+    def _restart(self, reason: str, detail: str, live: deque[Held] | list[Held]) -> None:
+        """Another engine life: forget, then follow it from its seq 0 (the replay brings what
+        went by; KVCM hears of the forget at once, as the empty state is true meanwhile)."""
+        self.restarts += 1
+        self._replayed.clear()
+        self.forget(reason, detail)
+        self.incarnation = secrets.randbits(63) | 1
+        self.last_seq, self.last_payload, self.last_digest = -1, None, None
+        self.expected = None
+        held = deque(live)
+        if self.can_replay and not (held and held[0][0] == 0):  # its first batches went by
+            r = self._ask(0, None, "restart")
+            r.live, r.before, r.hollow = held, len(held), True
+        else:
+            self._drain_held(_Replay(0, None, 0.0, "restart", live=held))
+
+    def _malformed(self, seq: int, d: Decoded) -> None:
+        reason = d.error.split(":", 1)[0]
+        self.decode_errors[reason] += 1
+        self.batches["malformed"] += 1
+        log.warning("zmq batch unreadable seq=%d reason=%s", seq, d.error[:200])
 
     def _uncovered(self, reason: str, detail: str) -> None:
         assert self.replay is not None
@@ -332,33 +376,44 @@ class Stream:
         self._drain_held(r)
 
     def _drain_held(self, r: _Replay) -> None:
-        """The live batches held during the replay, in order; duplicates of replayed skipped."""
+        """The live batches held during the replay, in order; copies of replayed ones skipped,
+        and those a proof refuted (seen before the request the same engine life answered)."""
         first = True
+        n = 0
         while r.live:
-            seq, payload = r.live.popleft()
+            seq, payload, pre = r.live.popleft()
+            n += 1
             if self.expected is not None and seq < self.expected and self.replay is None:
-                self.batches["duplicate"] += 1
-                continue
-            if first and self.expected is not None and seq > self.expected:
+                if self._replayed.get(seq) == digest(payload):
+                    self.batches["duplicate"] += 1
+                    continue
+                if r.proven and n <= r.before:
+                    self.batches["stale"] += 1
+                    log.warning("zmq batch dropped seq=%d reason=stale (not this life's)", seq)
+                    continue
+                # Not what the replay showed under that seq: maybe a new engine life that
+                # began while the replay was served; on_live finds out.
+            elif first and self.expected is not None and seq > self.expected:
                 # The engine replays all it has buffered when it serves the request, which is
                 # after it published the batch that revealed the gap: a hole here is not in
                 # its buffer (or that seq was bogus). Asking again would loop.
                 self.forget(F_UNCOVERED, f"replay ended at {self.expected - 1}, live is at {seq}")
                 self.expected = None
             first = False
-            self.on_live(seq, payload)
+            self.on_live(seq, payload, pre)
             if self.replay is not None:  # another gap: the rest waits for that replay
                 self.replay.live.extend(r.live)
                 return
 
-    def _apply(self, seq: int, payload: bytes, *, replayed: bool) -> None:
+    def _apply(
+        self, seq: int, payload: bytes, *, replayed: bool, pre: Decoded | None = None
+    ) -> None:
         self.pristine = False
-        d = self.decoder.decode(payload)
+        if self.replay is not None:
+            self.replay.hollow = False
+        d = pre if pre is not None else self.decoder.decode(payload)
         if not d.ok:
-            reason = d.error.split(":", 1)[0]
-            self.decode_errors[reason] += 1
-            self.batches["malformed"] += 1
-            log.warning("zmq batch unreadable seq=%d reason=%s", seq, d.error[:200])
+            self._malformed(seq, d)
             if replayed or not self.can_replay or self.last_seq < 0:
                 # Its changes are lost for good: what we hold may be wrong from here on.
                 self.forget(F_MALFORMED, f"batch {seq} unreadable")
@@ -447,7 +502,6 @@ class ZmqSource:
         self.frames_bad: Counter[str] = Counter()
         self.live_frames = 0
         self.replayed_frames = 0
-        self.highest_seen = -1
         self._ctx: zmq.asyncio.Context | None = None
 
     # ---- what the publisher reads ----------------------------------------------------------
@@ -469,7 +523,10 @@ class ZmqSource:
 
     @property
     def synced(self) -> bool:
-        return self.stream.replay is None
+        # Right after a forget, before the replay applied anything, the empty state is true:
+        # the publisher may tell KVCM to forget at once instead of after the whole replay.
+        r = self.stream.replay
+        return r is None or r.hollow
 
     @property
     def sync_state(self) -> str:
@@ -477,8 +534,10 @@ class ZmqSource:
         return "synced" if r is None else f"replaying_{r.why.split(':')[0]}"
 
     def lag(self) -> int:
-        """Batches seen (live) beyond the last applied one."""
-        return max(self.highest_seen - self.stream.last_seq, 0)
+        """Live batches seen beyond the last applied one (those held while a replay runs;
+        counted, not read off their seqs: a junk seq must not move a gauge)."""
+        r = self.stream.replay
+        return len(r.live) if r is not None else 0
 
     def take_forget(self) -> bool:
         out = self.stream.forget_pending
@@ -619,6 +678,9 @@ class ZmqSource:
         assert self._ctx is not None
         d = self._ctx.socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 0)
+        # The engine's ROUTER sends its whole buffer in a tight loop and drops what does not
+        # fit (no ROUTER_MANDATORY): a bounded queue here would lose frames of a long replay.
+        d.setsockopt(zmq.RCVHWM, 0)
         d.connect(connectable(self.z.replay_endpoint))
         return d
 
@@ -719,14 +781,13 @@ class ZmqSource:
                 self._bad_frame("frame_shape", 3)
                 continue
             del topic  # the SUB's prefix filter already matched it
-            seq = int.from_bytes(seq_b, "big")
-            if seq > self.highest_seen or seq == 0:
-                self.highest_seen = seq
-            s.on_live(seq, payload)
+            s.on_live(int.from_bytes(seq_b, "big"), payload)
 
     def _read_replies(self, sock: zmq.Socket[bytes]) -> None:
+        # At most DRAIN_BATCHES per loop turn, as for live frames: a 10 000-batch replay must
+        # not keep the event loop (HTTP, health, metrics) waiting.
         s = self.stream
-        while True:
+        for _ in range(DRAIN_BATCHES):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
