@@ -10,13 +10,16 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+import zmq
+import zmq.asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.key_state import KeyState
 from sidecar.source import checkpoint as ckpt
 from sidecar.source.block_counts import BlockCounts
-from sidecar.source.zmq import Stream
+from sidecar.config import Config, IdentityConfig, SourceConfig, ZmqConfig
+from sidecar.source.zmq import DRAIN_BATCHES, Stream, ZmqSource
 from sidecar.source.zmq_events import EventDecoder, fold_hashes
 
 MEDIUM_INDEX = {"GPU": 0, "CPU": 1, "DISK": 2}
@@ -235,8 +238,121 @@ def test_zmq_stream_seq_back_to_zero_is_an_engine_restart() -> None:
     s.on_live(0, payload([stored(1)]))
     s.on_live(1, payload([stored(2)]))
     s.on_live(0, payload([stored(9)]))
+    assert replaying(s) and s.want_replay == 1 and s.forgets == {}  # prove it first
+    s.on_replay_end()  # the new life's buffer holds nothing at seq 1: a restart
     assert s.forgets == {"engine_restart": 1} and published(s) == {9}
-    assert s.incarnation != inc and s.forget_pending
+    assert s.incarnation != inc and s.forget_pending and not replaying(s)
+
+
+def test_zmq_stream_seq_back_with_a_new_life_past_zero_forgets_at_once_then_replays() -> None:
+    s = stream()
+    p = [payload([stored(10 + k)]) for k in range(3)]
+    for seq in range(3):
+        s.on_live(seq, p[seq])
+    s.on_live(1, payload([stored(91)]))  # the new life's seq 1 (its 0 went by unseen)
+    s.on_replayed(2, payload([stored(92)]))  # the buffer's seq 2 is another batch
+    assert s.forgets == {"engine_restart": 1} and s.forget_pending and published(s) == set()
+    assert replaying(s) and s.want_replay == 0
+    assert s.replay is not None and s.replay.hollow  # synced: KVCM may forget at once
+    s.on_replay_end()  # the rest of the old reply: discarded
+    s.on_replayed(0, payload([stored(90)]))
+    s.on_replayed(1, payload([stored(91)]))
+    s.on_replayed(2, payload([stored(92)]))
+    s.on_replay_end()
+    assert not replaying(s) and published(s) == {90, 91, 92} and s.expected == 3
+
+
+def test_zmq_stream_a_stray_decodable_batch_with_a_low_seq_is_no_restart() -> None:
+    s = stream()
+    p = [payload([stored(10 + k)]) for k in range(3)]
+    for seq in range(3):
+        s.on_live(seq, p[seq])
+    s.on_live(0, payload([stored(66)]))  # a stray: the engine still holds seq 2 unchanged
+    assert replaying(s) and s.want_replay == 2
+    s.on_replayed(2, p[2])
+    s.on_replay_end()
+    assert not replaying(s) and s.forgets == {} and s.batches["stale"] == 1
+    assert published(s) == {10, 11, 12} and s.expected == 3
+
+
+def test_zmq_stream_junk_with_a_low_seq_is_dropped_not_a_restart() -> None:
+    """Review of #13: 8 zero bytes and a garbage payload made the sidecar forget everything."""
+    s = stream()
+    for seq in range(5):
+        s.on_live(seq, payload([stored(100 + seq)]))
+    s.on_live(0, b"\xc1junk")
+    assert s.forgets == {} and not s.forget_pending and not replaying(s)
+    assert s.batches["malformed"] == 1 and s.decode_errors["not_msgpack"] == 1
+    s.on_live(5, payload([stored(105)]))
+    assert published(s) == set(range(100, 106)) and s.restarts == 0
+
+
+def test_zmq_stream_junk_with_a_far_seq_is_dropped_not_a_gap() -> None:
+    """Review of #13: a junk seq far ahead asked a replay that could not cover it: a forget."""
+    s = stream()
+    for seq in range(5):
+        s.on_live(seq, payload([stored(100 + seq)]))
+    s.on_live(1 << 40, b"\x00garbage")
+    assert not replaying(s) and s.gaps == 0 and s.batches["malformed"] == 1
+    for seq in range(5, 8):
+        s.on_live(seq, payload([stored(100 + seq)]))
+    assert s.forgets == {} and published(s) == set(range(100, 108)) and s.expected == 8
+
+
+def test_zmq_stream_restart_while_a_replay_is_served_is_caught() -> None:
+    """Review of #13: the new life's seq 0 and 1, held during a gap replay the old life
+    served, were skipped as duplicates (seq < expected) without a look at their payload."""
+    s = stream()
+    old = [payload([stored(100 + k)]) for k in range(8)]
+    for seq in range(5):
+        s.on_live(seq, old[seq])
+    s.on_live(6, old[6])  # gap: replay from 4 (the proof)
+    s.on_live(7, old[7])  # held
+    s.on_live(0, payload([stored(999)]))  # the new life's, held
+    s.on_live(1, payload([removed(999)]))
+    for seq in range(4, 8):
+        s.on_replayed(seq, old[seq])
+    s.on_replay_end()
+    assert replaying(s) and s.want_replay == 7  # seq 0 after 7: prove the restart
+    s.on_replay_end()  # the new life has nothing at 7
+    assert s.forgets == {"engine_restart": 1} and s.restarts == 1
+    assert published(s) == set() and s.expected == 2 and not replaying(s)
+
+
+def test_zmq_stream_unanswered_start_replay_is_asked_again_once_then_follows_live() -> None:
+    """Review of #13: an endpoint that never answers kept a fresh sidecar from applying."""
+    now = [0.0]
+    s = stream(clock=lambda: now[0])
+    s.start(None, loaded=False)
+    seq = 100
+    for _ in range(4):
+        for _ in range(5):
+            s.on_live(seq, payload([stored(seq)]))
+            seq += 1
+        now[0] += 2.5
+        s.check_deadline()
+    assert s.replays["timeout"] == 2 and not replaying(s) and s.forgets == {}
+    assert published(s) == set(range(100, 120)) and s.expected == 120
+
+
+def test_zmq_stream_a_long_replay_still_arriving_does_not_time_out() -> None:
+    now = [0.0]
+    s = stream(clock=lambda: now[0])
+    s.start(None, loaded=False)
+    for seq in range(10):
+        now[0] += 1.5  # each reply within the timeout of the one before, all beyond the first
+        assert not s.check_deadline()
+        s.on_replayed(seq, payload([stored(seq)]))
+    s.on_replay_end()
+    assert s.replays == {"covered": 1} and published(s) == set(range(10))
+
+
+def test_zmq_stream_checkpoint_replay_beyond_its_seq_is_checkpoint_unproven() -> None:
+    s = stream()
+    s.start(ckpt.Checkpoint(3, ckpt.digest(b"old life"), []), loaded=True)
+    s.on_replayed(7, payload([stored(7)]))  # the buffer no longer holds seq 3
+    s.on_replay_end()
+    assert s.forgets == {"checkpoint_unproven": 1} and published(s) == {7}
 
 
 def test_zmq_stream_checkpoint_proof_differs_forgets_and_reasks_from_zero() -> None:
@@ -324,3 +440,91 @@ def test_zmq_stream_unanswered_start_replay_is_no_forget() -> None:
         s.on_replayed(seq, payload([stored(seq + 1)]))
     s.on_replay_end()
     assert published(s) == {1, 2, 3, 4} and s.forgets == {}
+
+
+def zmq_source(tmp_path: Path, endpoint: str, replay_endpoint: str = "") -> ZmqSource:
+    z = ZmqConfig(endpoint=endpoint, replay_endpoint=replay_endpoint, bind=False)
+    cfg = Config(
+        publisher_type="none",
+        identity=IdentityConfig(instance_id="i"),
+        source=SourceConfig(kind="zmq", state_dir=str(tmp_path), zmq=z),
+    )
+    src = ZmqSource(cfg, KeyState((0,)))
+    src._ctx = zmq.asyncio.Context()
+    return src
+
+
+def test_zmq_source_replay_of_a_full_engine_buffer_loses_no_frame(tmp_path: Path) -> None:
+    """Review of #13: vLLM's ROUTER sends its whole buffer (10 000 batches by default) in a
+    tight loop and drops what its peer's queue cannot take; the DEALER kept RCVHWM 1000."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    src = zmq_source(tmp_path, "tcp://127.0.0.1:1", f"tcp://127.0.0.1:{port}")
+    try:
+        dealer = src._dealer()
+        assert dealer is not None
+        sync_dealer: zmq.Socket[bytes] = zmq.Socket.shadow(dealer.underlying)
+        s = src.stream
+        s.start(None, loaded=False)
+        assert s.want_replay == 0
+        sync_dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert router.poll(10_000)
+        ident, _, start = router.recv_multipart()
+        assert start == bytes(8)
+        pad = b"p" * 2000  # ~2 KB batches: 20 MB, as a busy engine's buffer
+        for seq in range(10_000):  # the sidecar reads nothing meanwhile
+            body = msgspec.msgpack.encode([1.0, [stored(seq)], 0, pad])
+            router.send_multipart([ident, b"", b"kv", seq.to_bytes(8, "big"), body])
+        router.send_multipart([ident, b"", b"", b"\xff" * 8, b""])
+        turns = 0
+        while replaying(s) and sync_dealer.poll(5_000):
+            before = src.replayed_frames
+            src._read_replies(sync_dealer)
+            assert src.replayed_frames - before <= DRAIN_BATCHES  # the loop gets its turn
+            turns += 1
+        assert not replaying(s) and turns >= 10_000 // DRAIN_BATCHES
+        assert s.batches["replayed"] == 10_000 and s.forgets == {} and s.replays == {"covered": 1}
+        assert len(published(s)) == 10_000
+    finally:
+        src.close()
+        router.close(0)
+        ctx.term()
+
+
+def test_zmq_source_lag_is_not_moved_by_a_junk_seq(tmp_path: Path) -> None:
+    """Review of #13: a frame with a junk seq (2^40) set the seq-lag gauge to ~2^40."""
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)  # XPUB: the subscription arrives as a message (no slow joiner)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    src = zmq_source(tmp_path, f"tcp://127.0.0.1:{port}")
+    try:
+        sub, _ = src._sockets()
+        sync_sub: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
+        assert pub.poll(10_000)
+        assert pub.recv()[:1] == b"\x01"  # subscribed
+        for seq in range(5):
+            pub.send_multipart([b"kv", seq.to_bytes(8, "big"), payload([stored(seq)])])
+        pub.send_multipart([b"kv", (1 << 40).to_bytes(8, "big"), b"\x00garbage"])
+        pub.send_multipart([b"kv", (5).to_bytes(8, "big"), payload([stored(5)])])
+        while src.live_frames < 7 and sync_sub.poll(5_000):
+            src._read_live(sync_sub)
+        assert src.live_frames == 7 and src.lag() == 0 and src.stream.forgets == {}
+        assert published(src.stream) == set(range(6)) and src.stream.batches["malformed"] == 1
+        sub.close(0)
+    finally:
+        src.close()
+        pub.close(0)
+        ctx.term()
+
+
+def test_zmq_stream_start_replay_beyond_seq_zero_is_counted_uncovered() -> None:
+    """Nothing held yet, so nothing to forget; but batches the engine no longer buffers went
+    by unseen (KVCM misses their keys): counted as an uncovered replay."""
+    s = stream()
+    s.start(None, loaded=False)
+    s.on_replayed(5, payload([stored(5)]))
+    s.on_replay_end()
+    assert s.replays == {"uncovered": 1} and s.forgets == {} and published(s) == {5}
