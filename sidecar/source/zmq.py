@@ -171,13 +171,18 @@ class Stream:
             if seq >= self._replayed_top:
                 self._replayed.clear()
         if exp is None or seq == exp:
-            if exp is None and self.pristine and seq and self.can_replay:
-                if self.start_timeouts < 2:
-                    # The first batch seen is not the engine's first (its start replay went
-                    # unanswered while the engine was down): its earlier batches may still be
-                    # in its buffer. Asked twice in vain: the endpoint does not answer.
-                    self._ask(0, None, "start").live.append((seq, payload, pre))
-                    return
+            # The first batch seen is not the engine's first (its start replay went unanswered
+            # while the engine was down): its earlier batches may still be in its buffer.
+            # Asked twice in vain: the endpoint does not answer; follow the live stream.
+            if (
+                exp is None
+                and self.pristine
+                and seq
+                and self.can_replay
+                and self.start_timeouts < 2
+            ):
+                self._ask(0, None, "start", (seq, payload, pre))
+                return
             self._apply(seq, payload, replayed=False, pre=pre)
             return
         # An unexpected seq proves nothing until its payload reads: junk is dropped (a real
@@ -323,9 +328,7 @@ class Stream:
             self.last_payload = None  # hash once; keep the digest
         return self.last_digest
 
-    def _ask(
-        self, start: int, proof: bytes | None, why: str, held: Held | None = None
-    ) -> _Replay:
+    def _ask(self, start: int, proof: bytes | None, why: str, held: Held | None = None) -> _Replay:
         self.flush()
         r = self.replay = _Replay(start, proof, self.clock() + self.replay_timeout_s, why)
         if held is not None:

@@ -15,10 +15,10 @@ import zmq.asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sidecar.config import Config, IdentityConfig, SourceConfig, ZmqConfig
 from sidecar.key_state import KeyState
 from sidecar.source import checkpoint as ckpt
 from sidecar.source.block_counts import BlockCounts
-from sidecar.config import Config, IdentityConfig, SourceConfig, ZmqConfig
 from sidecar.source.zmq import DRAIN_BATCHES, Stream, ZmqSource
 from sidecar.source.zmq_events import EventDecoder, fold_hashes
 
