@@ -66,7 +66,7 @@ METRICS: dict[str, tuple[str, str]] = {
     ),
     "kvcm_sidecar_zmq_batches": (
         "counter",
-        "ZMQ event batches by outcome (applied, replayed, duplicate, dp_rank, malformed).",
+        "ZMQ event batches by outcome (applied, replayed, duplicate, stale, dp_rank, malformed).",
     ),
     "kvcm_sidecar_zmq_events": ("counter", "ZMQ events applied, by type and KVCM medium."),
     "kvcm_sidecar_zmq_block_events": ("counter", "Block hashes in the ZMQ events applied."),
@@ -90,7 +90,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "kvcm_sidecar_zmq_last_seq": ("gauge", "The last ZMQ batch seq applied (-1: none)."),
     "kvcm_sidecar_zmq_seq_lag_batches": (
         "gauge",
-        "ZMQ batches seen beyond the last one applied (waiting for a replay).",
+        "ZMQ live batches held beyond the last one applied (waiting for a replay).",
     ),
     "kvcm_sidecar_zmq_held_blocks": (
         "gauge",

@@ -1,9 +1,10 @@
 """A vLLM / SGLang ZMQ KV-event stream as a source: SUB + DEALER replay, counts, checkpoint.
 
 Imports: stdlib, numpy, pyzmq (zmq.asyncio on the daemon's loop), msgspec, key_state, source.*.
-`Stream` is the synchronous core (tests drive it): seq order; a gap replays from the last applied
-seq, whose digest must match (else another engine life); when the truth is lost the counts are
-emptied and KVCM gets an authoritative snapshot (a forget). Bad input is counted, never raised.
+`Stream` is the synchronous core (tests drive it): seq order; a seq out of order counts only
+once its payload decodes; a gap or a backwards seq replays from the last applied seq, whose
+digest must match (else another engine life); when the truth is lost the counts are emptied and
+KVCM gets an authoritative snapshot (a forget). Bad input is counted, never raised.
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ class Stream:
         self._replayed: dict[int, bytes] = {}  # seq -> digest of batches applied from a replay
         self._replayed_top = -1
         # counters (exported by sidecar/metrics)
-        self.batches: Counter[str] = Counter()  # applied, duplicate, dp_rank, malformed
+        self.batches: Counter[str] = (
+            Counter()
+        )  # applied, replayed, duplicate, stale, dp_rank, malformed
         self.events = np.zeros(512, np.int64)  # [2 * medium + stored?]: events applied
         self.blocks = 0  # block hashes applied
         self.decode_errors: Counter[str] = Counter()
@@ -259,7 +262,7 @@ class Stream:
             # The batch applied last is gone from the buffer: the seq went back for good.
             self.replays["restart"] += 1
             self.replay = None
-            self._restart(F_RESTART, f"seq went back to {r.live[0][0]}", r.live)
+            self._restart(F_RESTART, f"batch {r.start} gone from the replay buffer", r.live)
             return
         if r.proof is not None and not r.proven:
             reason = F_CHECKPOINT if r.why == "checkpoint" else F_UNCOVERED

@@ -528,3 +528,31 @@ def test_zmq_stream_start_replay_beyond_seq_zero_is_counted_uncovered() -> None:
     s.on_replayed(5, payload([stored(5)]))
     s.on_replay_end()
     assert s.replays == {"uncovered": 1} and s.forgets == {} and published(s) == {5}
+
+
+def synced(src: ZmqSource) -> bool:
+    return src.synced  # read through a call (see replaying)
+
+
+def test_zmq_source_restart_forget_reaches_the_publisher_before_the_replay_from_zero(
+    tmp_path: Path,
+) -> None:
+    """The publisher sends KVCM's forgetting snapshot only while the source is synced: right
+    after a restart's forget the empty state is true, so it must not wait for the replay."""
+    src = zmq_source(tmp_path, "tcp://127.0.0.1:1", "tcp://127.0.0.1:2")
+    try:
+        s = src.stream
+        for seq in range(3):
+            s.on_live(seq, payload([stored(10 + seq)]))
+        assert synced(src)
+        s.on_live(1, payload([stored(91)]))  # backwards: prove it first (not synced meanwhile)
+        assert not synced(src) and not src.take_forget()
+        s.on_replay_end()  # seq 2 gone from the buffer: a restart; replay the new life from 0
+        assert replaying(s) and synced(src) and src.take_forget() and published(s) == set()
+        s.on_replayed(0, payload([stored(90)]))  # the new life's state is partial from here
+        assert not synced(src) and src.sync_state == "replaying_restart"
+        s.on_replayed(1, payload([stored(91)]))
+        s.on_replay_end()
+        assert synced(src) and published(s) == {90, 91} and s.forgets == {"engine_restart": 1}
+    finally:
+        src.close()
