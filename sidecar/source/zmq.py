@@ -188,11 +188,15 @@ class Stream:
                 return
             self._apply(seq, payload, replayed=False, pre=pre)
             return
-        # An unexpected seq proves nothing until its payload reads: junk is dropped (a real
-        # batch lost that way shows as a gap at the next one, which the replay repairs).
+        # An unexpected seq proves nothing until its payload reads: junk is dropped, not held
+        # (held, a junk seq beyond the engine's buffer would read as an uncovered gap). Its
+        # seq ahead may still be real: a replay fetches whatever the engine has.
         d = pre if pre is not None else self.decoder.decode(payload)
         if not d.ok:
             self._malformed(seq, d)
+            if seq > exp and self.can_replay and self.last_seq >= 0:
+                self.gaps += 1
+                self._ask(self.last_seq, self._last_digest(), "malformed")
             return
         if seq > exp:
             self.gaps += 1
