@@ -97,3 +97,15 @@ def test_trace_theoretical_hit_rate_counts_the_longest_seen_prefix() -> None:
     reqs = parse([line(0, [1, 2]), line(1, [1, 2, 3, 4]), line(2, [9])], block_tokens=4)
     # 0 + 8 (two blocks of the second prompt) + 0, over 8 + 16 + 4 tokens
     assert theoretical_hit_rate(reqs, 4) == pytest.approx(8 / 28)
+
+
+def test_replay_trace_hash_ids_beyond_64_bits_name_the_line(tmp_path: Path) -> None:
+    from sidecar.replay.trace import TraceError, read
+
+    bad = tmp_path / "t.jsonl"
+    bad.write_text(
+        '{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [0]}\n'
+        '{"timestamp": 1, "input_length": 512, "output_length": 1, "hash_ids": [18446744073709551616]}\n'
+    )
+    with pytest.raises(TraceError, match="line 2.*hash_ids"):
+        read(bad, 512)
