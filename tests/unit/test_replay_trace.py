@@ -99,13 +99,10 @@ def test_trace_theoretical_hit_rate_counts_the_longest_seen_prefix() -> None:
     assert theoretical_hit_rate(reqs, 4) == pytest.approx(8 / 28)
 
 
-def test_replay_trace_hash_ids_beyond_64_bits_name_the_line(tmp_path: Path) -> None:
-    from sidecar.replay.trace import TraceError, read
+def test_replay_trace_hash_ids_beyond_64_bits_name_the_line() -> None:
+    from sidecar.replay.trace import TraceError, parse
 
-    bad = tmp_path / "t.jsonl"
-    bad.write_text(
-        '{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [0]}\n'
-        '{"timestamp": 1, "input_length": 512, "output_length": 1, "hash_ids": [18446744073709551616]}\n'
-    )
-    with pytest.raises(TraceError, match="line 2.*hash_ids"):
-        read(bad, 512)
+    head = '{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": '
+    lines = [head + "[0]}", head + f"[{2**64}]}}"]
+    with pytest.raises(TraceError, match=r"line 2.*hash_ids"):
+        parse(lines, 512)
