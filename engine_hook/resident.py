@@ -3,9 +3,10 @@
 Imports: numpy + sidecar.shm_ring.layout. Block metadata lives in arrays (DESIGN §5): per medium,
 dense (key, mask) arrays indexed by an open-addressing hash table, updated in bulk. The hook
 applies every transition it was handed, whether the ring accepted or dropped it: this is the truth
-a resync rebuilds from. Records are queued and folded in when the queue is long or a snapshot is
-asked for, so `export()` is exactly the fold of every record applied so far. Not thread-safe: the
-hook calls apply/export only under its flush lock.
+a resync rebuilds from. Records are queued and folded in when the queue is long (`fold_at`), when
+the owner calls `fold()` (the hook's flusher, between engine steps) or when a snapshot is asked
+for, so `export()` is exactly the fold of every record applied so far. Not thread-safe: the hook
+calls apply/fold/export only under its flush lock.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class ResidentSet:
         self._queue_k: list[np.ndarray] = []
         self._queue_m: list[np.ndarray] = []
         self._queued = 0
+        self.fold_at: int | None = None  # None: the module's FOLD_AT
 
     def _table(self) -> KeyTable:
         return KeyTable({"masks": np.uint32}, live=("masks",), min_capacity=self._capacity)
@@ -52,14 +54,24 @@ class ResidentSet:
         return max(t.idx.cap for t in self._tables.values())
 
     # ---- recording ------------------------------------------------------------------------
-    def apply(self, keys: np.ndarray, metas: np.ndarray) -> None:
+    @property
+    def queued(self) -> int:
+        """Records applied but not yet folded."""
+        return self._queued
+
+    def apply(self, keys: np.ndarray, metas: np.ndarray, *, copy: bool = True) -> None:
+        """Queue records (in call order). `copy=False` when the caller hands over fresh arrays."""
         if not len(keys):
             return
-        self._queue_k.append(np.array(keys, np.int64))
-        self._queue_m.append(np.array(metas, np.uint64))
+        self._queue_k.append(np.array(keys, np.int64, copy=copy or None))
+        self._queue_m.append(np.array(metas, np.uint64, copy=copy or None))
         self._queued += len(keys)
-        if self._queued >= FOLD_AT:
+        if self._queued >= (self.fold_at or FOLD_AT):
             self._fold()
+
+    def fold(self) -> None:
+        """Fold every queued record into the tables now."""
+        self._fold()
 
     def apply_pairs(self, pairs: Iterable[tuple[int, int]]) -> None:
         pairs = list(pairs)
