@@ -300,26 +300,30 @@ class Hook:
         chunk = staged[:n]  # slicing and deleting are single atomic list operations
         del staged[:n]
         self._flushes += 1
-        if n <= SCALAR_FLUSH_MAX and all(
-            type(k) is int and _I64_MIN <= k < _U64_END for k, _ in chunk
+        if (
+            n <= SCALAR_FLUSH_MAX
+            and type(chunk[0][0]) is int
+            and all(type(k) is int and _I64_MIN <= k < _U64_END for k, _ in chunk)
         ):
             # A few records: word stores beat numpy's fixed per-call cost by ~20x.
             accepted = self._writer.write_pairs(chunk)
             if self._resident is not None:
                 self._resident.apply_pairs(chunk)  # accepted or dropped: see below
             return accepted
+        # Every transition goes to the resident set, the dropped ones too: the resync after a
+        # drop answers from this set, so a record the ring refused must be here or it is lost
+        # for good. The fence stays the last accepted seq (docs/ring.md, "Drops and the
+        # resident set").
         words = self._list_words(chunk)
-        if words is not None:  # a step's lists of int keys: no numpy call but two views
+        if words is not None:  # a step's lists of int keys: no numpy call at all
             kw, mw = words
             accepted = self._writer.write_words(kw, mw)
-            keys, metas = np.frombuffer(kw, np.int64), np.frombuffer(mw, np.uint64)
-        else:
-            keys, metas = self._materialize(chunk)
-            accepted = self._writer.write(keys, metas)
+            if self._resident is not None:
+                self._resident.apply_words(kw, mw)
+            return accepted
+        keys, metas = self._materialize(chunk)
+        accepted = self._writer.write(keys, metas)
         if self._resident is not None:
-            # Every transition, the dropped ones too: the resync after a drop answers from this
-            # set, so a record the ring refused must be here or it is lost for good. The fence
-            # stays the last accepted seq (docs/ring.md, "Drops and the resident set").
             self._resident.apply(keys, metas, copy=False)  # fresh arrays, ours alone
         return accepted
 
