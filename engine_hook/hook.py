@@ -500,7 +500,7 @@ class Hook:
             "flushes": self._flushes,
             "flush_busy": self._flush_busy,
             "flusher_alive": self._thread is not None and self._thread.is_alive(),
-            "flusher_mode": self._mode if self._thread is not None else None,
+            "flusher_mode": self._mode if self._bell is not None else None,
             "flusher_wakeups": self._turns,
             "snapshots": self._snapshots,
             "snapshot_last_stall_s": self._snapshot_last_stall_s,
