@@ -549,12 +549,15 @@ def bench_paced(ks: list[int], rates: list[int], seconds: float, reps: int) -> d
                 for v, h in zip(row["vllm_ns_per_event"], row["hook_ns_per_event"], strict=True)
             ]
             out[f"k{k}_rate{rate}"] = row
+            sp = {
+                key: _span(v, 1 if "ratio" in key or "p99" in key else 0) for key, v in row.items()
+            }
             print(
-                f"paced k={k:<3d} {rate:>6d} ev/s  hook {_span(row['hook_ns_per_event'])} ns/ev"
-                f"  vllm {_span(row['vllm_ns_per_event'])}  ratio {_span(row['ratio_vllm_over_hook'], 1)}"
-                f"  flush p99 {_span(row['hook_call_p99_us'], 1)} us"
-                f"  wakeups/s hook {_span(row['hook_wakeups_per_s'])} vllm {_span(row['vllm_wakeups_per_s'])}"
-                f" none {_span(row['floor_wakeups_per_s'])}",
+                f"paced k={k:<3d} {rate:>6d} ev/s  hook {sp['hook_ns_per_event']} ns/ev"
+                f"  vllm {sp['vllm_ns_per_event']}  ratio {sp['ratio_vllm_over_hook']}"
+                f"  flush p99 {sp['hook_call_p99_us']} us  wakeups/s hook"
+                f" {sp['hook_wakeups_per_s']} vllm {sp['vllm_wakeups_per_s']}"
+                f" none {sp['floor_wakeups_per_s']}",
                 flush=True,
             )
     return out
@@ -564,8 +567,7 @@ def bench_idle(seconds: float, reps: int, asks: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for system in SYSTEMS:
         rs = [
-            _run_worker({"system": system, "mode": "idle", "seconds": seconds})
-            for _ in range(reps)
+            _run_worker({"system": system, "mode": "idle", "seconds": seconds}) for _ in range(reps)
         ]
         out[f"idle_{system}_cpu_pct"] = [r["cpu_pct"] for r in rs]
         out[f"idle_{system}_wakeups_per_s"] = [r["wakeups_per_s"] for r in rs]
@@ -628,7 +630,9 @@ def main() -> None:
         "paced": paced,
         "idle": idle,
     }
-    p99_64 = [v for key, row in paced.items() if key.startswith("k32_") for v in row["hook_call_p99_us"]]
+    p99_64 = [
+        v for key, row in paced.items() if key.startswith("k32_") for v in row["hook_call_p99_us"]
+    ]
     goals = {
         "single key <= 250 ns": hook["hook_immediate_ns"] <= 250,
         "staged <= 80 ns": hook["hook_staged_ns"] <= 80,

@@ -9,6 +9,7 @@ ROUTER replay socket between batches.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -63,10 +64,8 @@ class Publisher:
         self._thread.start()
 
     def publish(self, batch: KVEventBatch) -> None:
-        try:
+        with contextlib.suppress(queue.Full):  # vLLM drops (and logs) when its queue is full
             self._queue.put_nowait(batch)
-        except queue.Full:
-            pass  # vLLM drops and logs when its queue is full
 
     def _run(self) -> None:
         enc = msgspec.msgpack.Encoder()

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from engine_hook.descriptor import Descriptor
 from engine_hook import resident
+from engine_hook.descriptor import Descriptor
 from engine_hook.resident import ResidentSet
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.doorbell import EngineBell
@@ -349,7 +349,7 @@ class Hook:
         return None if kw is None else (kw, array("Q", flat_m))
 
     def _materialize(self, chunk: list[tuple[Any, int]]) -> tuple[np.ndarray, np.ndarray]:
-        """(keys int64, metas uint64), fresh arrays, in call order; bad keys counted and left out."""
+        """(keys int64, metas uint64): fresh arrays in call order; bad keys counted, left out."""
         keys_l: list[np.ndarray] = []
         metas_l: list[np.ndarray] = []
         for item, meta in chunk:
