@@ -150,3 +150,19 @@ def test_hook_flusher_thread_answers_an_idle_engines_snapshot(ring_name: str) ->
     assert snap is not None and sorted(snap.keys.tolist()) == [11, 12]
     seg.close()
     h.close()
+
+
+def test_hook_flush_rings_a_sleeping_readers_doorbell_after_publishing(ring_name: str) -> None:
+    import posix_ipc
+
+    h, reader = _driven(ring_name)
+    sem = posix_ipc.Semaphore(L.doorbell_name(ring_name), posix_ipc.O_CREAT, initial_value=0)
+    reader.seg.hdr[L.W_READER_IDLE] = 1  # the reader sleeps on its doorbell
+    h.stored([1, 2, 3])
+    h.flush()
+    assert sem.value == 1 and _keys(reader) == [1, 2, 3]
+    h.flush()  # nothing new: no post
+    assert sem.value == 1
+    sem.close()
+    h.close()
+    reader.close()
