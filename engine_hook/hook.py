@@ -10,6 +10,8 @@ protocol"); it never wakes per engine step of an engine that flushes itself.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -314,6 +316,19 @@ class Hook:
         # drop answers from this set, so a record the ring refused must be here or it is lost
         # for good. The fence stays the last accepted seq (docs/ring.md, "Drops and the
         # resident set").
+        flat: np.ndarray | None = None
+        # Single keys staged one by one: one C-level pass. Lists, or keys beyond int64, in the
+        # chunk make it fail: the paths below.
+        if type(chunk[0][0]) is int:
+            with contextlib.suppress(TypeError, ValueError, OverflowError):
+                flat = np.fromiter(itertools.chain.from_iterable(chunk), np.int64, 2 * n)
+        if flat is not None:
+            pairs = flat.reshape(-1, 2)
+            keys, metas = pairs[:, 0], pairs[:, 1].view(np.uint64)
+            accepted = self._writer.write(keys, metas)
+            if self._resident is not None:
+                self._resident.apply(keys, metas, copy=False)  # views of our own array
+            return accepted
         words = self._list_words(chunk)
         if words is not None:  # a step's lists of int keys: no numpy call at all
             kw, mw = words
