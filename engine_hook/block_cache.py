@@ -85,7 +85,10 @@ class BlockCache:
 
     def insert(self, token_ids: Sequence[int]) -> int:
         """Cache every full block of a sequence (prefill done); returns blocks newly stored."""
-        keys = block_keys(token_ids, self.block_size)
+        return self.insert_keys(block_keys(token_ids, self.block_size))
+
+    def insert_keys(self, keys: Sequence[int]) -> int:
+        """`insert` for a sequence whose full blocks' prefix keys the caller already has."""
         new = 0
         for gi, g in enumerate(self.groups):
             w = g.spec.window_blocks
@@ -146,6 +149,16 @@ class BlockCache:
         n = 0
         for k in block_keys(token_ids, self.block_size):
             if k not in pub:
+                break
+            n += 1
+        return n
+
+    def prefix_blocks(self, keys: Sequence[int]) -> int:
+        """How many leading `keys` every required group holds (`match_blocks` for known keys)."""
+        indexes = [self.groups[g].index for g in self.required]
+        n = 0
+        for k in keys:
+            if not all(k in ix for ix in indexes):
                 break
             n += 1
         return n

@@ -7,6 +7,7 @@ register the replica with KVCM without a second copy of the engine's configurati
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -135,5 +136,5 @@ def _validate(d: Descriptor) -> None:
             raise DescriptorError(f"medium {m!r}: must be a non-empty name without '#'")
     if len(d.medium_table()) > MAX_MEDIUMS:
         raise DescriptorError(f"mediums: at most {MAX_MEDIUMS} mediums (a u8 index on the ring)")
-    if d.max_stage_delay_ms <= 0:
-        raise DescriptorError("max_stage_delay_ms must be > 0")
+    if not math.isfinite(d.max_stage_delay_ms) or d.max_stage_delay_ms <= 0:
+        raise DescriptorError("max_stage_delay_ms must be a finite number > 0")

@@ -1,13 +1,6 @@
 """`kvcm-sidecar` command line: the only place that reads the environment, configures logging,
-installs signal handlers, picks the event loop and calls sys.exit.
-
-Subcommands:
-  run           run the sidecar for one dp_rank (exit 0 stopped, 1 crashed, 2 bad config,
-                3 identity busy, 4 incompatible or corrupt ring)
-  check-config  print the effective configuration (secrets redacted) or the config error
-  status        summarise a running sidecar (or the ring, if it is down); exit 0 if healthy
-  demo          the whole system on this machine, with a fault and a consistency check
-  kvcm-server   run the KVCM-compatible event-report server (stand-in manager)
+installs signal handlers, picks the event loop and calls sys.exit. What users read is in the
+argparse texts below (`kvcm-sidecar --help`, `kvcm-sidecar COMMAND --help`).
 """
 
 from __future__ import annotations
@@ -20,14 +13,43 @@ import logging
 import os
 import signal
 import sys
+import textwrap
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
 from sidecar import logs
 from sidecar.config import Config, ConfigError, load, redacted
 
 log = logging.getLogger("kvcm_sidecar")
+
+DESCRIPTION = """\
+Tell a KV Cache Manager (KVCM, tair-kvcache) what an LLM engine's prefix cache holds, so routers
+can send each request to the replica that already has its prefix. Run one `kvcm-sidecar run` per
+engine dp_rank, beside the engine (it reads the engine's shared-memory ring).
+
+Configuration: defaults < --config TOML < KV_CACHE_EVENT_* environment < --set / flags.
+Docs: README.md, docs/operations.md (every field, metric and state), docs/wire.md.
+"""
+EPILOG_RUN = """\
+example:
+  KV_CACHE_EVENT_MANAGER_ENDPOINT=http://kvcm-meta:6382 KV_CACHE_EVENT_INSTANCE_ID=llama-a \\
+  KV_CACHE_EVENT_DP_RANK=0 KV_CACHE_EVENT_HOST_IP_PORT=10.0.0.5:8000 kvcm-sidecar run
+Serves /metrics /healthz /readyz /status on http.metrics_addr (default 127.0.0.1:9400).
+"""
+EPILOG_REPLAY = """\
+Each policy replays the same trace on the same engines (caches emptied in between):
+  random, round_robin   ignore load and caches
+  least_loaded          the engine with the shortest predicted queue wait
+  kvcm                  asks KVCM getHostCacheState for the prompt's block keys; picks the lowest
+                        predicted TTFT = queue wait + prefill of the tokens that host lacks
+  oracle                the same score from every engine's true cache (the upper bound)
+Engines are prefill-only: TTFT = queue wait + overhead_s + per_token_s * new
+  + per_token_ctx_s * new * (cached + new / 2), new = uncached tokens (trace seconds).
+A bad trace line (not JSON, a missing field, a timestamp earlier than the line before) exits 2
+naming the line, before anything starts. See docs/operations.md "Replaying a trace".
+"""
 
 
 def _version() -> str:
@@ -39,15 +61,28 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="kvcm-sidecar", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+        prog="kvcm-sidecar", description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter
     )
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for name, text in (
-        ("run", "run the sidecar for one dp_rank"),
-        ("check-config", "print the effective config or the config error"),
+    for name, short, text, epilog in (
+        (
+            "run",
+            "run the sidecar for one dp_rank",
+            "Run the sidecar for one engine dp_rank: read the engine's shared-memory ring and "
+            "report its cache to KVCM. Exit 0 stopped, 1 crashed, 2 bad config, 3 identity busy "
+            "(another sidecar has this identity), 4 incompatible or corrupt ring.",
+            EPILOG_RUN,
+        ),
+        (
+            "check-config",
+            "print the effective configuration or the config error",
+            "Print the effective configuration (secrets redacted) as JSON, or the one-line "
+            "error naming the source and field (exit 2). Touches no shm and no socket.",
+            None,
+        ),
     ):
-        r = sub.add_parser(name, help=text)
+        r = _sub(sub, name, short, text, epilog)
         r.add_argument("--config", type=Path, default=None, help="TOML file")
         r.add_argument(
             "--set",
@@ -66,9 +101,21 @@ def build_parser() -> argparse.ArgumentParser:
             ("--publisher-type", "publisher_type"),
         ):
             r.add_argument(flag, dest=path, default=None, help=f"same as --set {path}=...")
-    st = sub.add_parser("status", help="summarise a sidecar's state (exit 0 healthy, 1 not)")
+    st = _sub(
+        sub,
+        "status",
+        "summarise a sidecar (exit 0 healthy, 1 not)",
+        "Summarise a running sidecar from its /status (state, lag, drops, resyncs); when it does "
+        "not answer, read its ring header directly. Exit 0 if READY, 1 otherwise, 2 bad config.",
+    )
     st.add_argument("--config", type=Path, default=None, help="TOML file")
-    st.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    st.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override one field (repeatable), to find the sidecar's metrics address",
+    )
     st.add_argument("--url", default=None, help="status URL (default: from http.metrics_addr)")
     st.add_argument("--json", action="store_true", help="print the JSON document")
     for flag, path in (
@@ -76,14 +123,35 @@ def build_parser() -> argparse.ArgumentParser:
         ("--dp-rank", "identity.dp_rank"),
         ("--metrics-addr", "http.metrics_addr"),
     ):
-        st.add_argument(flag, dest=path, default=None)
+        st.add_argument(flag, dest=path, default=None, help=f"same as --set {path}=...")
     st.set_defaults(publisher_type=None)
-    d = sub.add_parser("demo", help="run engines + sidecars + a KVCM-compatible server")
-    d.add_argument("--duration", type=float, default=20.0, help="seconds of workload")
+    d = _sub(
+        sub,
+        "demo",
+        "the whole system on this machine, with a fault and a replay",
+        "The whole system on this machine: a KVCM-compatible server, engine and sidecar "
+        "processes, a sidecar killed and restarted mid-run, a per-rank check that KVCM matches "
+        "every engine, then a short replay (round_robin vs kvcm). Exit 0 only if all converged.",
+    )
+    d.add_argument("--duration", type=float, default=12.0, help="seconds of workload")
     d.add_argument("--ranks", type=int, default=2, help="dp ranks (engine + sidecar each)")
-    d.add_argument("--seed", type=int, default=1)
-    s = sub.add_parser("kvcm-server", help="run the KVCM-compatible event-report server")
-    s.add_argument("--host", default="127.0.0.1")
+    d.add_argument("--seed", type=int, default=1, help="workload seed")
+    _sub(
+        sub,
+        "include-dir",
+        "print the directory of kvcm_ring.h (C/C++ producers)",
+        "Print the directory of kvcm_ring.h, the header-only ring producer for C and C++ "
+        "engines, so a build can use -I$(kvcm-sidecar include-dir).",
+    )
+    s = _sub(
+        sub,
+        "kvcm-server",
+        "run a KVCM-compatible server (stand-in manager)",
+        "Run a KVCM-compatible server for local runs and tests: the event-report API, the "
+        "router queries and a /debug view (docs/kvcm_server.md). Prints 'kvcm-server meta "
+        "listening on URL' once bound.",
+    )
+    s.add_argument("--host", default="127.0.0.1", help="address to bind")
     s.add_argument("--meta-port", type=int, default=6382, help="0 picks a free port")
     s.add_argument("--admin-port", type=int, default=None, help="default: share the meta port")
     s.add_argument(
@@ -98,11 +166,92 @@ def build_parser() -> argparse.ArgumentParser:
         help="create event-report storages and an instance group",
     )
     s.add_argument("--group", default="default", help="instance group created by --bootstrap")
-    s.add_argument("--max-body-bytes", type=int, default=64 * 1024 * 1024)
-    s.add_argument("--heartbeat-timeout-ms", type=int, default=30000)
-    s.add_argument("--cleanup-grace-ms", type=int, default=300000)
-    s.add_argument("--snapshot-min-interval-ms", type=int, default=30000)
+    s.add_argument(
+        "--max-body-bytes", type=int, default=64 * 1024 * 1024, help="larger requests get 413"
+    )
+    s.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=30000,
+        help="a reporter without heartbeats this long is unavailable (its keys hidden)",
+    )
+    s.add_argument(
+        "--cleanup-grace-ms",
+        type=int,
+        default=300000,
+        help="then, after this long, unregistered and its metadata dropped",
+    )
+    s.add_argument(
+        "--snapshot-min-interval-ms",
+        type=int,
+        default=30000,
+        help="snapshots closer together are SNAPSHOT_RATE_LIMITED",
+    )
+    _replay_parser(sub)
     return p
+
+
+def _sub(sub: Any, name: str, short: str, text: str, epilog: str | None = None) -> Any:
+    return sub.add_parser(
+        name,
+        help=short,
+        description=textwrap.fill(text, 92),
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def _replay_parser(sub: Any) -> None:
+    from sidecar.replay.router import POLICIES
+
+    r = _sub(
+        sub,
+        "replay",
+        "measure KVCM-aware routing on a request trace",
+        "What KVCM-aware routing buys: replay a request trace through N prefill engines (real "
+        "processes with the reference block cache and hook), one sidecar each, a KVCM-compatible "
+        "server and a router, once per routing policy; print hit rate, prefill tokens, TTFT and "
+        "requests per engine for each.",
+        EPILOG_REPLAY,
+    )
+    r.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="Mooncake-format JSONL (timestamp ms, input_length, output_length, hash_ids); "
+        "default: the built-in generator (shared system prompts, multi-turn, Zipf, Poisson)",
+    )
+    r.add_argument("--requests", type=int, default=None, help="replay only the first N requests")
+    r.add_argument(
+        "--speed", type=float, default=20.0, help="trace seconds per wall second (default 20)"
+    )
+    r.add_argument("--ranks", type=int, default=4, help="engines (each with its sidecar)")
+    r.add_argument(
+        "--capacity-blocks", type=int, default=4000, help="each engine's cache, in blocks"
+    )
+    r.add_argument("--block-tokens", type=int, default=512, help="tokens per block (Mooncake: 512)")
+    r.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"comma-separated, run in this order (default {','.join(POLICIES)})",
+    )
+    r.add_argument("--seed", type=int, default=1, help="generator and random-policy seed")
+    r.add_argument("--rate", type=float, default=4.0, help="generated trace: arrivals per second")
+    r.add_argument("--overhead-s", type=float, default=0.015, help="cost model: per prefill")
+    r.add_argument("--per-token-s", type=float, default=4e-5, help="cost model: per new token")
+    r.add_argument(
+        "--per-token-ctx-s",
+        type=float,
+        default=2e-9,
+        help="cost model: per new token x context length (attention)",
+    )
+    r.add_argument("--json", type=Path, default=None, help="write the results document here")
+    r.add_argument(
+        "--png",
+        type=Path,
+        default=None,
+        help="TTFT CDF + hit-rate plot (needs the 'plot' extra; default: beside --json)",
+    )
 
 
 async def run_kvcm_server(args: argparse.Namespace) -> None:
@@ -154,6 +303,13 @@ async def run_kvcm_server(args: argparse.Namespace) -> None:
 EXIT_OK, EXIT_CRASH, EXIT_CONFIG, EXIT_BUSY, EXIT_RING = 0, 1, 2, 3, 4
 
 
+def include_dir() -> Path:
+    """Where the installed (or source-tree) engine_hook keeps kvcm_ring.h."""
+    import engine_hook
+
+    return Path(engine_hook.__file__).resolve().parent / "include"
+
+
 def load_config(args: argparse.Namespace) -> Config:
     overrides: dict[str, str] = {}
     for item in args.set:
@@ -198,6 +354,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command is None:
         parser.print_help()
         sys.exit(EXIT_CONFIG)
+    if args.command == "include-dir":
+        sys.stdout.write(f"{include_dir()}\n")
+        sys.exit(EXIT_OK)
     import uvloop
 
     if args.command == "demo":
@@ -209,6 +368,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         logs.setup()
         uvloop.run(run_kvcm_server(args))
         sys.exit(EXIT_OK)
+    if args.command == "replay":
+        from sidecar.replay import cli as replay_cli
+
+        logging.basicConfig(level=logging.WARNING)
+        sys.exit(replay_cli.main(args))
     if args.command == "status":
         from sidecar import status as status_cmd
 

@@ -1,10 +1,9 @@
-"""`kvcm-sidecar demo`: the whole system on one machine, with a fault and a consistency check.
+"""`kvcm-sidecar demo`: the whole system on one machine, with faults, a check and a replay.
 
-Starts the KVCM-compatible server (--bootstrap), then per dp rank an engine simulator process
-and a sidecar process; shows live counters; restarts one sidecar mid-run and overflows the ring
-of another (an engine without a snapshot provider) by stopping its sidecar; quiets the engines;
-then checks, per rank, that KVCM shows exactly the engine's published keys, and prints latency
-and a router view. Exit 0 only if every rank converged. Imports: stdlib, aiohttp, sidecar.
+Starts the KVCM-compatible server, then per dp rank an engine simulator and a sidecar; shows live
+counters; restarts one sidecar and overflows another rank's ring; checks that KVCM shows exactly
+each engine's published keys; ends with a short replay (round_robin vs kvcm) on the same KVCM.
+Exit 0 only if all converged and the replay was consistent. Imports: stdlib, aiohttp, sidecar.
 """
 
 from __future__ import annotations
@@ -24,50 +23,13 @@ from typing import Any
 
 import aiohttp
 
-from engine_hook.simulator import prompts
+from sidecar.child import PY, Proc, await_ready, start_kvcm_server, start_sidecar
+from sidecar.child import spawn as _spawn
+from sidecar.replay.report import table
+from sidecar.replay.router import CostModel
+from sidecar.replay.run import Replay, Settings
+from sidecar.replay.trace import CONVERSATIONS, generated
 from sidecar.shm_ring.segment import unlink
-
-PY = sys.executable
-
-
-@dataclass
-class Proc:
-    name: str
-    p: asyncio.subprocess.Process
-    lines: asyncio.Queue[dict[str, Any] | str] = field(default_factory=asyncio.Queue)
-    last: dict[str, Any] = field(default_factory=dict)
-    new_stats: asyncio.Event = field(default_factory=asyncio.Event)  # set at each `last` update
-
-    async def pump(self) -> None:
-        assert self.p.stdout is not None
-        async for raw in self.p.stdout:
-            text = raw.decode(errors="replace").strip()
-            try:
-                obj = json.loads(text)
-            except ValueError:
-                obj = text
-            if isinstance(obj, dict) and obj.get("stats"):
-                self.last = obj
-                self.new_stats.set()
-            else:
-                await self.lines.put(obj)
-
-    async def expect(self, pred: Any, within_s: float = 30.0) -> Any:
-        async with asyncio.timeout(within_s):
-            while True:
-                item = await self.lines.get()
-                if pred(item):
-                    return item
-
-    async def send(self, text: str) -> None:
-        assert self.p.stdin is not None
-        self.p.stdin.write((text + "\n").encode())
-        await self.p.stdin.drain()
-
-    async def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.p.returncode is None:
-            self.p.send_signal(sig)
-        return await asyncio.wait_for(self.p.wait(), 15)
 
 
 @dataclass
@@ -79,22 +41,6 @@ class Rank:
     sidecar: Proc | None = None
     metrics_port: int = 0
     final: dict[str, Any] = field(default_factory=dict)
-
-
-async def _spawn(
-    name: str, *argv: str, env: dict[str, str] | None = None, tasks: list[asyncio.Task[None]]
-) -> Proc:
-    p = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env=env,
-        limit=64 * 1024 * 1024,  # the engine's final line lists every published key
-    )
-    proc = Proc(name, p)
-    tasks.append(asyncio.create_task(proc.pump()))  # cancelled in run()'s finally
-    return proc
 
 
 class Demo:
@@ -119,32 +65,19 @@ class Demo:
         self.out.flush()
 
     async def start_sidecar(self, rk: Rank) -> None:
-        env = {
-            **os.environ,
-            "KV_CACHE_EVENT_MANAGER_ENDPOINT": self.base,
-            "KV_CACHE_EVENT_INSTANCE_ID": self.instance,
-            "KV_CACHE_EVENT_DP_RANK": str(rk.r),
-            "KV_CACHE_EVENT_HOST_IP_PORT": rk.host,
-            "KV_CACHE_EVENT_RING_NAME": rk.ring,
-            "KV_CACHE_EVENT_METRICS_ADDR": "127.0.0.1:0",
-            "KV_CACHE_EVENT_LOG_FORMAT": "json",
-            "KV_CACHE_EVENT_REPORT_HEARTBEAT_INTERVAL_S": "0.5",
-        }
-        rk.sidecar = await _spawn(
-            f"sidecar{rk.r}", PY, "-m", "sidecar.cli", "run", env=env, tasks=self.tasks
+        rk.sidecar, rk.metrics_port = await start_sidecar(
+            self.tasks,
+            endpoint=self.base,
+            instance_id=self.instance,
+            dp_rank=rk.r,
+            host=rk.host,
+            ring=rk.ring,
+            env={"KV_CACHE_EVENT_REPORT_HEARTBEAT_INTERVAL_S": "0.5"},
         )
-        line = await rk.sidecar.expect(
-            lambda x: isinstance(x, dict) and "http listening" in str(x.get("msg", ""))
-        )
-        rk.metrics_port = int(line["msg"].rsplit(":", 1)[1])
 
     async def get(self, s: aiohttp.ClientSession, url: str) -> Any:
         async with s.get(url) as r:
             return await r.json(content_type=None)
-
-    async def post(self, s: aiohttp.ClientSession, route: str, body: dict[str, Any]) -> Any:
-        async with s.post(f"{self.base}/api/{route}", json=body) as r:
-            return await r.json()
 
     async def run(self) -> int:
         try:
@@ -164,23 +97,9 @@ class Demo:
 
     async def _run(self) -> int:
         self.say(f"kvcm-sidecar demo: {self.n} dp ranks, {self.duration_s:.0f} s, seed {self.seed}")
-        self.server = await _spawn(
-            "kvcm",
-            PY,
-            "-m",
-            "sidecar.cli",
-            "kvcm-server",
-            "--meta-port",
-            "0",
-            "--bootstrap",
-            "--snapshot-min-interval-ms",
-            "1000",
-            "--state-file",
-            str(self.tmp / "kvcm.json"),
-            tasks=self.tasks,
+        self.server, self.base = await start_kvcm_server(
+            self.tasks, "--state-file", str(self.tmp / "kvcm.json")
         )
-        line = await self.server.expect(lambda x: isinstance(x, str) and "listening on" in x)
-        self.base = line.rsplit(" ", 1)[1]
         self.say(f"  KVCM-compatible server at {self.base} (bootstrapped group 'default')")
         for rk in self.ranks:
             args = {
@@ -212,7 +131,7 @@ class Demo:
             )
         async with aiohttp.ClientSession() as s:
             for rk in self.ranks:
-                await self._await_ready(s, rk)
+                await await_ready(s, rk.metrics_port)
             for rk in self.ranks:
                 assert rk.engine is not None
                 await rk.engine.send("go")
@@ -230,19 +149,18 @@ class Demo:
                 assert rk.engine is not None and rk.sidecar is not None
                 await rk.engine.send("exit")
                 await rk.sidecar.stop()
-        return 0 if all(ok.values()) else 1
-
-    async def _await_ready(self, s: aiohttp.ClientSession, rk: Rank) -> None:
-        """Bounded wait until the rank's sidecar answers /readyz 200 (registered, synced)."""
-        async with asyncio.timeout(30):
-            while True:
-                try:
-                    async with s.get(f"http://127.0.0.1:{rk.metrics_port}/readyz") as r:
-                        if r.status == 200:
-                            return
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.05)  # polling another process, bounded by the timeout
+        replayed = await self._replay()
+        self.say("")
+        self.say(
+            "  RESULT: "
+            + (
+                "every rank converged: KVCM matches each engine exactly"
+                if all(ok.values())
+                else "NOT converged"
+            )
+            + ("" if replayed else "; the replay FAILED")
+        )
+        return 0 if all(ok.values()) and replayed else 1
 
     async def _overflow(self, rk: Rank) -> None:
         """SIGSTOP the rank's sidecar until its engine reports ring drops, then SIGCONT."""
@@ -355,28 +273,35 @@ class Demo:
             f" rank {self.overflow_rank.r} the overflow)"
         )
         self.say("")
-        self.say("  router view (getHostCacheState, prefix blocks per host):")
-        for i, p in enumerate(prompts(self.seed)[: min(4, 2 * self.n)]):
-            resp = await self.post(
-                s,
-                "getHostCacheState",
-                {"instance_id": self.instance, "query_type": "QT_PREFIX_MATCH", "token_ids": p},
-            )
-            hosts = ", ".join(f"{h['host_ip_port']}={h['local']}" for h in resp["hosts"]) or "-"
-            self.say(f"    prompt {i} of rank {i % self.n} ({len(p) // 16} full blocks): {hosts}")
-        self.say(
-            "  (every tenant's prompt starts with the same 4-block preamble; a router sends each"
-            " prompt to the host with the longest match)"
-        )
+
+    async def _replay(self) -> bool:
+        """A short replay on this KVCM: what the cache state is worth to a router."""
+        w = CONVERSATIONS
         self.say("")
         self.say(
-            "  RESULT: "
-            + (
-                "every rank converged: KVCM matches each engine exactly"
-                if all(ok.values())
-                else "NOT converged"
-            )
+            f"  replay: {w.requests} requests of multi-turn conversations on {self.n} prefill "
+            "engines (+ sidecars), routed round_robin, then by KVCM's view (kvcm)"
         )
+        cfg = Settings(
+            ranks=self.n,
+            capacity_blocks=400,
+            speed=5.0,
+            policies=("round_robin", "kvcm"),
+            seed=self.seed,
+            cost=CostModel(block_tokens=16),
+        )
+        r = Replay(generated(w, self.seed, 16), cfg, endpoint=self.base)
+        doc = await r.execute(self.out)
+        self.say(table(doc))
+        rr, kv = doc["policies"]["round_robin"], doc["policies"]["kvcm"]
+        ok = all(x.served_once() and x.consistent for x in r.runs)
+        self.say(
+            f"  kvcm-aware routing: hit rate {kv['hit_rate']:.0%} vs {rr['hit_rate']:.0%}, mean "
+            f"TTFT {kv['ttft_mean_s'] * 1000:.0f} ms vs {rr['ttft_mean_s'] * 1000:.0f} ms "
+            "(trace time); every request served once and KVCM matched every engine: "
+            + ("yes" if ok else "NO")
+        )
+        return ok
 
 
 def run(duration_s: float, ranks: int, seed: int) -> int:

@@ -425,13 +425,19 @@ class Publisher:
         if not self.registered or self.engine_down or self.state == State.CIRCUIT_OPEN:
             return
         payload = self._envelope("heartbeat", [W.ev_heartbeat(self.system_status())])
+        commits = self.counters["snapshots_committed"]
         result = await self._send(
             "reportEvent", "heartbeat", payload, self.cfg.manager.request_timeout_s
         )
         if result.ok:
             self.heartbeat_ok_at = self.clock()
             self.heartbeat_failures = 0
-            if result.response is not None and result.response.snapshot_required:
+            # KVCM answers true while this reporter has no generation (after a KVCM restart,
+            # and after registering until the snapshot commits). Heartbeats run beside the
+            # data requests: a true answer whose heartbeat overlapped a committed snapshot
+            # may predate that commit, and acting on it would snapshot twice.
+            required = result.response is not None and result.response.snapshot_required
+            if required and self.counters["snapshots_committed"] == commits:
                 self.need_snapshot = True  # KVCM restarted and lost our generation
                 if self.on_reregister is not None:
                     self.on_reregister()

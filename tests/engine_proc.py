@@ -111,10 +111,9 @@ def workload(a: dict[str, Any]) -> None:
     hook.close()
 
 
-def cache(a: dict[str, Any]) -> None:
-    """The reference BlockCache under commands on stdin: work, flood, truth, exit."""
+def _attach_ring(a: dict[str, Any], **fields: Any) -> Any:
+    """The hook of a command-driven engine: identity and ring from the test's arguments."""
     import engine_hook
-    from engine_hook.block_cache import BlockCache, GroupSpec
 
     hook = engine_hook.attach(
         strict=True,
@@ -122,12 +121,23 @@ def cache(a: dict[str, Any]) -> None:
         dp_rank=a.get("dp_rank", 0),
         ring_name=a["ring"],
         ring_capacity_slots=a.get("capacity", 0),
+        **fields,
+    )
+    assert not isinstance(hook, engine_hook.NullHook)
+    return hook
+
+
+def cache(a: dict[str, Any]) -> None:
+    """The reference BlockCache under commands on stdin: work, flood, truth, exit."""
+    from engine_hook.block_cache import BlockCache, GroupSpec
+
+    hook = _attach_ring(
+        a,
         block_size_tokens=4,
         group_block_bytes=(4096, 1024),
         required_groups=(0, 1),
         max_stage_delay_ms=2.0,
     )
-    assert not isinstance(hook, engine_hook.NullHook)
     cache = BlockCache(
         a.get("blocks", 256),
         4,
@@ -163,14 +173,8 @@ def cache(a: dict[str, Any]) -> None:
 
 def plain(a: dict[str, Any]) -> None:
     """An engine that cannot enumerate its cache, exactly as the README shows the hook."""
-    import engine_hook
-
-    hook = engine_hook.attach(
-        strict=True,
-        instance_id=a["instance_id"],
-        dp_rank=a.get("dp_rank", 0),
-        ring_name=a["ring"],
-        ring_capacity_slots=a.get("capacity", 0),
+    hook = _attach_ring(
+        a,
         tp_rank=0,
         tp_size=8,
         model_name="llama-70b",
@@ -179,7 +183,6 @@ def plain(a: dict[str, Any]) -> None:
         required_groups=(0,),
         max_stage_delay_ms=2.0,
     )
-    assert not isinstance(hook, engine_hook.NullHook)
     rng = random.Random(a.get("seed", 0))
     held: set[int] = set()
     universe = a.get("blocks", 256) * 4

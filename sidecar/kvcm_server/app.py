@@ -31,18 +31,32 @@ DEFAULT_MAX_BODY = 64 * 1024 * 1024
 STATE_KEY = web.AppKey("state", State)
 
 
+def _int(value: Any) -> int:
+    """A proto3-JSON integer (a number or decimal text); 0 when absent or malformed."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lstrip("-").isdigit():
+        return int(value)
+    return 0
+
+
 class Faults:
-    """Test-controlled misbehaviour: per route, the next `count` requests get the fault."""
+    """Test-controlled misbehaviour: per route, the next `count` requests get the fault (with
+    `event`, only requests whose body names that event type, e.g. "EVENT_HEARTBEAT")."""
 
     def __init__(self) -> None:
         self.rules: dict[str, dict[str, Any]] = {}
+        self.taken = asyncio.Event()  # set when a request got a fault (in-process tests wait)
 
-    def take(self, route: str) -> dict[str, Any] | None:
+    def take(self, route: str, body: bytes) -> dict[str, Any] | None:
         for name in (route, "*"):
             rule = self.rules.get(name)
+            if rule and rule.get("event") and f'"{rule["event"]}"'.encode() not in body:
+                continue
             if rule and rule.get("count", 0) != 0:
                 if rule["count"] > 0:
                     rule["count"] -= 1
+                self.taken.set()
                 return rule
         return None
 
@@ -63,6 +77,10 @@ class KvcmServer:
         self.faults = Faults()
         self.max_body = max_body
         self.requests: dict[str, int] = {}
+        # Write sessions (no data is stored): id -> (instance, keys handed a location, expiry),
+        # and per instance and key the writes finished successfully (they count as replicas).
+        self.sessions: dict[str, tuple[str, list[int], float]] = {}
+        self.written: dict[str, dict[int, int]] = {}
         if bootstrap:
             self.bootstrap(group, event_report or {})
 
@@ -152,7 +170,11 @@ class KvcmServer:
     def _wrap(self, name: str, fn: Handler) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handler(request: web.Request) -> web.Response:
             self.requests[name] = self.requests.get(name, 0) + 1
-            fault = self.faults.take(name)
+            try:
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                return web.Response(status=413, body=b"{}", content_type="application/json")
+            fault = self.faults.take(name, raw)
             if fault:
                 if fault.get("delay_ms"):
                     await asyncio.sleep(fault["delay_ms"] / 1000)
@@ -165,10 +187,6 @@ class KvcmServer:
                         body=io.BytesIO(fault["body"].encode()),  # streamed: bodies may be large
                         content_type="application/json",
                     )
-            try:
-                raw = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                return web.Response(status=413, body=b"{}", content_type="application/json")
             typed = P.decode_report(raw) if name == "reportEvent" else None
             trace_id: Any = typed[0].trace_id if typed else ""
             try:
@@ -272,6 +290,11 @@ class KvcmServer:
             raise ApiError(code, f"query_type {qt} is not supported here")
         return qt
 
+    @staticmethod
+    def _location(storage_type: str, specs: list[dict[str, str]]) -> dict[str, Any]:
+        """A CacheLocation: `spec_size` is an int32, so a JSON number (contract §1)."""
+        return {"type": storage_type, "spec_size": len(specs), "location_specs": specs}
+
     async def get_cache_location(self, req: dict[str, Any]) -> dict[str, Any]:
         inst = self._instance(req)
         qt = self._query_type(
@@ -280,14 +303,17 @@ class KvcmServer:
         names = set(req.get("location_spec_names") or [])
         rows = []
         for key in self._query_keys(req, inst, "block_keys"):
-            specs = []
-            for _loc, sp in sorted(self._visible_locs(inst["instance_id"], key).items()):
-                specs += [{"name": n, "uri": u} for n, u in sp.items() if not names or n in names]
-            if not specs and qt == "QT_PREFIX_MATCH":
+            # One row per key, of one storage type (a CacheLocation has one `type`): the first
+            # type (L1P5 before L2) holding a requested spec, its mediums' specs merged.
+            by_type: dict[str, list[dict[str, str]]] = {}
+            for loc, sp in sorted(self._visible_locs(inst["instance_id"], key).items()):
+                specs = [{"name": n, "uri": u} for n, u in sp.items() if not names or n in names]
+                if specs:
+                    by_type.setdefault(loc[0], []).extend(specs)
+            if not by_type and qt == "QT_PREFIX_MATCH":
                 break
-            rows.append(
-                {"type": "event_report", "spec_size": str(len(specs)), "location_specs": specs}
-            )
+            stype = min(by_type, default="ST_UNSPECIFIED")
+            rows.append(self._location(stype, by_type.get(stype, [])))
         return {"locations": rows}
 
     async def get_cache_location_len(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -295,22 +321,31 @@ class KvcmServer:
         return {"cache_location_len": str(len(out["locations"]))}
 
     async def get_cache_locations_by_backend(self, req: dict[str, Any]) -> dict[str, Any]:
+        """BATCH_GET with `backend_selectors[].backend_type` (name or number; none = all):
+        per requested key, every visible location of a selected type holding a requested spec
+        (`location_spec_names` filters candidates, then projects their specs)."""
         inst = self._instance(req)
-        backend = P.enum_name(req.get("backend_type", 0), P.STORAGE_TYPES)
+        qt = P.enum_name(req.get("query_type", 0), P.QUERY_TYPES)
+        if qt not in ("QT_UNSPECIFIED", "QT_BATCH_GET"):
+            raise ApiError("UNSUPPORTED", f"query_type {qt} is not supported here")
+        selectors = req.get("backend_selectors") or []
+        backends = set()
+        for sel in selectors:
+            raw = sel.get("backend_type", 0) if isinstance(sel, dict) else None
+            name = P.enum_name(raw, P.ALL_STORAGE_TYPES)
+            if name is None:
+                raise ApiError("INVALID_ARGUMENT", f"backend_type {raw!r} is unknown")
+            backends.add(name)
+        names = set(req.get("location_spec_names") or [])
         rows = []
         for key in self._query_keys(req, inst, "block_keys"):
-            locs = [
-                {
-                    "type": loc[0],
-                    "medium": loc[1],
-                    "host_ip_port": loc[2],
-                    "location_specs": [{"name": n, "uri": u} for n, u in sp.items()],
-                }
-                for loc, sp in sorted(self._visible_locs(inst["instance_id"], key).items())
-                if backend is None or loc[0] == backend
-            ]
-            rows.append({"block_key": str(key), "locations": locs})
-        return {"block_locations": rows}
+            locs = []
+            for loc, sp in sorted(self._visible_locs(inst["instance_id"], key).items()):
+                specs = [{"name": n, "uri": u} for n, u in sp.items() if not names or n in names]
+                if specs and (not backends or loc[0] in backends):
+                    locs.append(self._location(loc[0], specs))
+            rows.append({"locations": locs})
+        return {"key_locations": rows}
 
     async def get_host_cache_state(self, req: dict[str, Any]) -> dict[str, Any]:
         inst = self._instance(req)
@@ -350,11 +385,54 @@ class KvcmServer:
         return {"hosts": out}
 
     async def start_write_cache(self, req: dict[str, Any]) -> dict[str, Any]:
-        self._instance(req)
-        return {"write_session_id": P.new_version(), "locations": []}
+        """A write location for every key whose visible event-report replicas plus finished
+        writes are fewer than `min_replica_count` (at least 1); the others are masked."""
+        inst = self._instance(req)
+        keys = self._query_keys(req, inst, "block_keys")
+        want = max(_int(req.get("min_replica_count")), 1)
+        timeout_s = min(_int(req.get("write_timeout_seconds")) or 30, 1800)
+        iid = inst["instance_id"]
+        written = self.written.setdefault(iid, {})
+        masked = [len(self._visible_locs(iid, k)) + written.get(k, 0) >= want for k in keys]
+        todo = [k for k, m in zip(keys, masked, strict=True) if not m]
+        session = P.new_version()
+        now = self.state.clock()
+        self.sessions = {s: v for s, v in self.sessions.items() if v[2] > now}  # expired go
+        self.sessions[session] = (iid, todo, now + timeout_s)
+        specs = [s["name"] for s in inst["location_spec_infos"]]
+        locations = [
+            self._location(
+                "ST_NFS",
+                [{"name": n, "uri": f"file://kvcm-standin/{iid}/{k}/{n}"} for n in specs],
+            )
+            for k in todo
+        ]
+        return {
+            "write_session_id": session,
+            "block_mask": {"bool_masks": {"values": masked}},
+            "locations": locations,
+        }
 
     async def finish_write_cache(self, req: dict[str, Any]) -> dict[str, Any]:
-        self._instance(req)
+        """`success_blocks` indexes the session's write locations: `{offset: n}` = the first n,
+        `{bool_masks: {values}}` = those marked true; each success counts as one replica."""
+        inst = self._instance(req)
+        sid = req.get("write_session_id") or ""
+        held = self.sessions.get(sid)
+        if held is None or held[0] != inst["instance_id"] or held[2] <= self.state.clock():
+            self.sessions.pop(sid, None)
+            raise ApiError("INVALID_ARGUMENT", f"write session {sid!r} is unknown or expired")
+        del self.sessions[sid]
+        iid, todo, _ = held
+        mask = req.get("success_blocks") or {}
+        if "bool_masks" in mask:
+            values = (mask.get("bool_masks") or {}).get("values") or []
+            done = [k for k, ok in zip(todo, values, strict=False) if ok is True]
+        else:
+            done = todo[: max(_int(mask.get("offset")), 0)]
+        written = self.written.setdefault(iid, {})
+        for k in done:
+            written[k] = written.get(k, 0) + 1
         return {}
 
     # ---- debug ---------------------------------------------------------------------------
@@ -394,6 +472,9 @@ class KvcmServer:
                     "visible_keys": sorted(keys),
                     "heartbeat_times": list(r.heartbeat_times),
                     "stored_versions": sorted(versions),
+                    "snapshot_requests": r.snapshot_requests,
+                    "snapshot_commits": r.snapshot_commits,
+                    "host_down_requests": r.host_down_requests,
                 }
             )
         return web.Response(

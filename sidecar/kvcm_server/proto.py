@@ -48,7 +48,17 @@ PAYLOAD_OF = {
     "EVENT_HEARTBEAT": "heartbeat",
     "EVENT_BLOCK_SNAPSHOT": "block_snapshot",
 }
-STORAGE_TYPES = {"ST_EVENT_REPORT_L1P5": 7, "ST_EVENT_REPORT_L2": 8}
+STORAGE_TYPES = {"ST_EVENT_REPORT_L1P5": 7, "ST_EVENT_REPORT_L2": 8}  # event-report storages
+# Every StorageType (queries name backends with them; write locations are of a data storage).
+ALL_STORAGE_TYPES = {
+    "ST_UNSPECIFIED": 0,
+    "ST_3FS": 1,
+    "ST_MOONCAKE": 2,
+    "ST_TAIRMEMPOOL": 3,
+    "ST_NFS": 4,
+    "ST_VCNS_3FS": 5,
+    **STORAGE_TYPES,
+}
 QUERY_TYPES = {
     "QT_UNSPECIFIED": 0,
     "QT_BATCH_GET": 1,

@@ -127,22 +127,31 @@ class EventReport:
                 "INVALID_ARGUMENT",
                 "a snapshot must not be mixed with another snapshot, ADD or DELETE",
             )
-        if HOST_DOWN in types and len(types) > 1:
+        host_down = HOST_DOWN in types
+        if host_down and len(types) > 1:
             raise ApiError("INVALID_ARGUMENT", "HOST_DOWN must be the only event")
         key = (iid, stype, host)
         r = st.reporters.get(key)
+        if r is not None:  # counted whatever the answer (a new reporter's: below)
+            r.snapshot_requests += n_snap
+            r.host_down_requests += host_down
         now = st.clock()
         if r is not None and st.liveness(r, now) == "tombstoned":
-            if types[0] != REGISTER:
+            if types == [HOST_DOWN]:
+                pass  # idempotent: it stays tombstoned, and the answer is OK
+            elif types[0] != REGISTER:
                 raise ApiError(
                     "NODE_NOT_REGISTERED", "reporter is tombstoned: send NODE_REGISTER first"
                 )
-            r = None
+            else:
+                r = None
         had_generation = r is not None and r.version is not None
         created = r is None
         if r is None:
             r = Reporter(iid, stype, host, storage["global_unique_name"], now, now)
             st.reporters[key] = r
+            r.snapshot_requests += n_snap
+            r.host_down_requests += host_down
         if (ADD in types or DELETE in types) and r.snapshot_busy:
             await self._wait_gate(r, storage)
         return r, created, had_generation
@@ -162,8 +171,12 @@ class EventReport:
         useful = len(failed) < len(results)
         if created and not useful:
             del st.reporters[r.key]  # an invalid-only first request creates nothing
-        out["snapshot_required"] = not had_generation and not (snapshot and useful)
-        if r.version and r.strict:
+        # HOST_DOWN's answer already reflects the ended generation (contract §12).
+        out["snapshot_required"] = r.tombstoned or (
+            not had_generation and not (snapshot and useful)
+        )
+        # The generation's version is in every answer once it exists, committed or not.
+        if r.version:
             out["committed_snapshot_version"] = r.version
         if failed:
             out["item_results"] = results
@@ -349,25 +362,25 @@ class EventReport:
                 await gate.wait()
         except TimeoutError:
             raise ApiError(
-                "SNAPSHOT_IN_PROGRESS", "a snapshot is committing; retry the deltas"
+                "SNAPSHOT_IN_PROGRESS", "a snapshot is committing; retry the deltas", **_now(r)
             ) from None
 
     def _may_snapshot(self, r: Reporter) -> None:
+        """The rate limit and the one-at-a-time rule; called once the payload is valid."""
         if r.snapshot_busy:
-            raise ApiError("SNAPSHOT_IN_PROGRESS", "another snapshot is committing")
+            raise ApiError("SNAPSHOT_IN_PROGRESS", "another snapshot is committing", **_now(r))
         left = self.state.snapshot_interval_left_ms(r)
         if left > 0:
             raise ApiError(
                 "SNAPSHOT_RATE_LIMITED",
                 f"snapshot allowed again in {left} ms",
                 retry_after_ms=str(left),
-                committed_snapshot_version=r.version if r.strict and r.version else "",
+                **_now(r),
             )
 
     def _snapshot_blocks(self, r: Reporter, payload: Any) -> dict[tuple[int, str], dict[str, str]]:
         if not isinstance(payload, dict):
             raise ItemError("INVALID_ARGUMENT", "EVENT_BLOCK_SNAPSHOT needs block_snapshot")
-        self._may_snapshot(r)
         outer_medium = payload.get("medium")
         blocks: dict[tuple[int, str], dict[str, str]] = {}
         for b in payload.get("blocks") or []:
@@ -379,12 +392,12 @@ class EventReport:
             if (key, medium) in blocks:
                 raise ItemError("INVALID_ARGUMENT", f"block {key} medium {medium} appears twice")
             blocks[(key, medium)] = _specs(b)
+        self._may_snapshot(r)  # after validation: an invalid snapshot is INVALID_ARGUMENT
         return blocks
 
     def _typed_snapshot_blocks(
         self, r: Reporter, snap: P.TSnapshot
     ) -> dict[tuple[int, str], dict[str, str]]:
-        self._may_snapshot(r)
         blocks: dict[tuple[int, str], dict[str, str]] = {}
         outer = snap.medium
         checked: str | None = None
@@ -403,6 +416,7 @@ class EventReport:
                 spec_dict = _typed_specs(b.specs)
                 specs = b.specs
             blocks[(key, medium)] = spec_dict
+        self._may_snapshot(r)  # after validation, as _snapshot_blocks
         return blocks
 
     async def _commit(self, r: Reporter, blocks: dict[tuple[int, str], dict[str, str]]) -> None:
@@ -435,9 +449,15 @@ class EventReport:
             r.stamper = stamped
             r.strict = True
             r.last_commit = st.clock()
+            r.snapshot_commits += 1
         finally:
             r.snapshot_busy = False
             gate.set()
+
+
+def _now(r: Reporter) -> dict[str, Any]:
+    """The generation fields of an answer that an ApiError cuts short (contract §12)."""
+    return {"committed_snapshot_version": r.version or "", "snapshot_required": r.version is None}
 
 
 class _Stamper:

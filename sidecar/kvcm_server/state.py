@@ -158,6 +158,10 @@ class Reporter:
     tombstoned: bool = False
     last_commit: float | None = None  # for the snapshot rate limit
     snapshot_busy: bool = False
+    # Requests seen and commits made, for /debug/reporters (tests count resnapshots with them).
+    snapshot_requests: int = 0
+    snapshot_commits: int = 0
+    host_down_requests: int = 0
     system_status: dict[str, str] = field(default_factory=dict)
     # When keys arrived (for the demo's event->KVCM latency): one (time, keys) entry per request,
     # folded per key only when /debug/arrivals asks, so applying a request costs no work per key.

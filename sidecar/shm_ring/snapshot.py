@@ -147,11 +147,17 @@ def poll(segment: Segment, req_id: int) -> Snapshot | None:
     try:
         hv = np.ndarray((8,), np.uint64, buffer=mm)
         cap = int(hv[L.SW_CAPACITY])
+        # The flags word outlives producers (the segment is reused across restarts): an older
+        # producer after a newer one leaves flags set but writes 12-byte entries. Trust the
+        # flags only if the size this answer's producer published matches them.
         flags = int(hv[L.SW_FLAGS])
+        if int(h[L.W_SNAP_BYTES]) != L.snapshot_bytes(cap, flags):
+            flags = 0
         ok = (
             int(hv[L.SW_MAGIC]) == L.SNAP_MAGIC
             and int(hv[L.SW_REQ]) == req_id
             and int(hv[L.SW_COUNT]) == n
+            and int(h[L.W_SNAP_BYTES]) == L.snapshot_bytes(cap, flags)
             and L.snapshot_bytes(cap, flags) <= size
         )
         del hv

@@ -47,7 +47,10 @@ class RingWriter:
         self._words = segment.slot_words
         self.boot_id = secrets.randbits(64) | 1
         self._tail = int(h[L.W_TAIL])
-        self._head_cache = int(h[L.W_HEAD])
+        head = int(h[L.W_HEAD])
+        # A reader cursor outside [tail - capacity, tail] is garbage (as in free_slots): trust it
+        # and the free count could exceed the ring, overwriting unread slots. Start empty.
+        self._head_cache = head if 0 <= self._tail - head <= self.capacity else self._tail
         self._seq = 0
         self._dropped = int(h[L.W_DROPPED])
         self._attempted = int(h[L.W_ATTEMPTED])

@@ -369,7 +369,6 @@ async def test_host_down_hides_at_once_then_node_not_registered(api: Api) -> Non
     assert code(await api.report(HOST_DOWN)) == "OK"
     assert await api.visible() == []
     assert code(await api.report(add(2))) == "NODE_NOT_REGISTERED"
-    assert code(await api.report(HOST_DOWN)) == "OK" or True  # repeating is harmless
 
 
 async def test_register_revives_tombstone_with_empty_generation(api: Api) -> None:
@@ -548,15 +547,6 @@ async def test_get_host_cache_state_rejects_batch_get(api: Api) -> None:
     assert code(resp) == "INVALID_ARGUMENT"
 
 
-async def test_get_cache_locations_by_backend_filters_type(api: Api) -> None:
-    await api.report(add(1))
-    resp = await api(
-        "getCacheLocationsByBackend",
-        {"instance_id": IID, "block_keys": [1], "backend_type": "ST_EVENT_REPORT_L2"},
-    )
-    assert resp["block_locations"][0]["locations"] == []
-
-
 # ---- restart ------------------------------------------------------------------------------
 async def test_restart_with_state_file_restores_blocks_after_first_event(
     tmp_path: Path, clock: FakeClock
@@ -578,7 +568,7 @@ async def test_restart_with_state_file_restores_blocks_after_first_event(
         )
         assert loc["locations"][0]["location_specs"] == []  # hidden: reporter unknown
         first = await api2.report(HEARTBEAT)
-        assert first["snapshot_required"] is True
+        assert first["snapshot_required"] is True and first["committed_snapshot_version"] == ""
         loc = await api2(
             "getCacheLocation",
             {"instance_id": IID, "block_keys": [1], "query_type": "QT_BATCH_GET"},
@@ -997,3 +987,195 @@ async def test_a_publisher_batch_of_deletes_removes_only_the_named_specs(api: Ap
             if loc[2] == host
         }
         assert left == {1: ["swa"], 3: ["full", "swa"]}, host
+
+
+# ---- contract §12: what every reply says (issue #12, one test per rule) ----------------------
+def _version(resp: dict[str, Any]) -> str:
+    v: str = resp["committed_snapshot_version"]
+    return v
+
+
+async def test_report_version_in_every_reply_once_the_generation_exists(api: Api) -> None:
+    """Rule 1: from the first valid ADD or DELETE on, every reply for the reporter carries its
+    generation's version, whether or not a snapshot committed; `""` only before that."""
+    assert _version(await api.report(HEARTBEAT)) == ""  # no generation yet
+    assert _version(await api.report(add("bad"))) == ""  # an invalid-only delta creates none
+    first = await api.report(add(1))
+    v = _version(first)
+    assert HEX32.fullmatch(v) and first["snapshot_required"] is True
+    replies = {
+        "delta": await api.report(add(2), delete(1)),
+        "heartbeat": await api.report(HEARTBEAT),
+        "register": await api.report(REGISTER),
+        "item failure": await api.report(add(3), add("x")),
+        "failed snapshot": await api.report(snap(4, "0004")),
+    }
+    assert {k: (_version(r), r["snapshot_required"]) for k, r in replies.items()} == {
+        k: (v, False) for k in replies
+    }
+    assert code(replies["item failure"]) == code(replies["failed snapshot"]) == "INVALID_ARGUMENT"
+    api.server.report.commit_delay_s = 0.05  # hold one snapshot open: the other is rejected
+    a, b = await asyncio.gather(api.report(snap(5)), api.report(snap(6)))
+    busy = b if code(a) == "OK" else a
+    assert code(busy) == "SNAPSHOT_IN_PROGRESS" and _version(busy) == v
+    committed = _version(a if busy is b else b)
+    assert HEX32.fullmatch(committed) and committed != v
+    limited = await api.report(snap(7))
+    assert code(limited) == "SNAPSHOT_RATE_LIMITED" and _version(limited) == committed
+    # A generation created by a DELETE alone (nothing to delete) is answered the same way.
+    d = await api.report(delete(8), host="10.0.0.9:1")
+    assert HEX32.fullmatch(_version(d)) and d["snapshot_required"] is True
+    assert _version(await api.report(HEARTBEAT, host="10.0.0.9:1")) == _version(d)
+
+
+async def test_host_down_reply_ends_the_generation(api: Api) -> None:
+    """Rule 2: HOST_DOWN's own reply has snapshot_required=true and version ""."""
+    assert HEX32.fullmatch(_version(await api.report(snap(1))))
+    down = await api.report(HOST_DOWN)
+    assert code(down) == "OK" and down["snapshot_required"] is True and _version(down) == ""
+    assert await api.visible() == []
+
+
+async def test_host_down_on_a_tombstone_is_ok_other_events_not_registered(
+    api: Api, clock: FakeClock
+) -> None:
+    """Rule 3: HOST_DOWN is idempotent on a tombstone (after HOST_DOWN or past cleanup grace);
+    every other event there answers NODE_NOT_REGISTERED until a NODE_REGISTER."""
+    await api.report(add(1))
+    await api.report(HOST_DOWN)
+    again = await api.report(HOST_DOWN)
+    assert code(again) == "OK" and again["snapshot_required"] is True and _version(again) == ""
+    for ev in (add(2), delete(1), HEARTBEAT, snap(3)):
+        assert code(await api.report(ev)) == "NODE_NOT_REGISTERED", ev["event_type"]
+    await api.report(add(4), HEARTBEAT, host="10.0.0.2:8000")
+    clock.t += 1.5  # past cleanup_grace_ms: tombstoned by the liveness rules
+    assert code(await api.report(HOST_DOWN, host="10.0.0.2:8000")) == "OK"
+    assert code(await api.report(HEARTBEAT, host="10.0.0.2:8000")) == "NODE_NOT_REGISTERED"
+    assert code(await api.report(REGISTER, add(5))) == "OK"
+    assert await api.visible() == [5]
+
+
+@pytest.mark.parametrize("spell", [lambda b: b, P.camel], ids=["typed", "dict"])
+async def test_snapshot_validated_before_the_rate_limit(
+    api: Api, spell: Callable[[Any], Any]
+) -> None:
+    """Rule 4: inside the cool-down an invalid snapshot answers INVALID_ARGUMENT with the
+    current version (not SNAPSHOT_RATE_LIMITED); a valid one is rate limited. Both paths."""
+
+    async def send(*events: dict[str, Any]) -> dict[str, Any]:
+        body = {"instance_id": IID, "host_ip_port": HOST, "events": list(events)}
+        raw = msgspec.json.encode(spell({**body, "storage_type": "ST_EVENT_REPORT_L1P5"}))
+        status, resp = await api.raw("reportEvent", raw)
+        assert status == 200
+        out: dict[str, Any] = resp
+        return out
+
+    v = _version(await send(snap(1)))
+    bad_key = snap(2)
+    bad_key["block_snapshot"]["blocks"][0]["block_key"] = "+2"
+    for bad in (snap(2, "02"), snap(2, medium="a#b"), bad_key):
+        resp = await send(bad)
+        assert code(resp) == "INVALID_ARGUMENT" and resp["item_results"] == ["INVALID_ARGUMENT"]
+        assert _version(resp) == v and resp["retry_after_ms"] == "0"
+    limited = await send(snap(2))
+    assert code(limited) == "SNAPSHOT_RATE_LIMITED" and int(limited["retry_after_ms"]) > 0
+    assert _version(limited) == v and await api.visible() == [1]
+
+
+async def test_get_cache_location_rows_name_their_storage_type(api: Api) -> None:
+    """Rule 5: each BATCH_GET row's `type` is the storage type of its locations."""
+    await api.report(add(1), add(3))
+    await api.report(add(2), add(3, medium="dram"), storage_type="ST_EVENT_REPORT_L2")
+    await api.report(add(3, medium="dram"), host="10.0.0.2:8000")
+    resp = await api(
+        "getCacheLocation",
+        {"instance_id": IID, "query_type": "QT_BATCH_GET", "block_keys": [1, "2", 3, 4]},
+    )
+    rows = resp["locations"]
+    assert [r["type"] for r in rows[:3]] == [
+        "ST_EVENT_REPORT_L1P5",
+        "ST_EVENT_REPORT_L2",
+        "ST_EVENT_REPORT_L1P5",  # both types hold key 3: one row, of the first type
+    ]
+    # key 3 of L1P5: the hbm copy on HOST and the dram copy on 10.0.0.2 (its L2 copy is left out)
+    assert [r["spec_size"] for r in rows] == [1, 1, 2, 0]
+    assert rows[3]["location_specs"] == []
+
+
+async def test_get_cache_locations_by_backend_selectors_and_key_locations(api: Api) -> None:
+    """Rule 6: the filter comes from `backend_selectors[].backend_type` (name or number); the
+    answer is `key_locations[].locations[]`, one entry per requested key."""
+    two = [{"name": "full", "uri": "event_report://h/a"}, {"name": "swa", "uri": "x://b"}]
+    ev = {
+        "event_type": "EVENT_BLOCK_ADD",
+        "block_add": {"block_key": "1", "medium": "hbm", "specs": two},
+    }
+    await api.report(ev)
+    await api.report(add(1), storage_type="ST_EVENT_REPORT_L2")
+
+    async def by_backend(*selectors: Any, **extra: Any) -> list[list[tuple[str, int]]]:
+        resp = await api(
+            "getCacheLocationsByBackend",
+            {
+                "instance_id": IID,
+                "query_type": "QT_BATCH_GET",
+                "block_keys": [1, 2],
+                "backend_selectors": [{"backend_type": b, "strategy": 0} for b in selectors],
+                **extra,
+            },
+        )
+        assert code(resp) == "OK"
+        return [
+            [(loc["type"], loc["spec_size"]) for loc in k["locations"]]
+            for k in resp["key_locations"]
+        ]
+
+    l1, l2 = "ST_EVENT_REPORT_L1P5", "ST_EVENT_REPORT_L2"
+    assert await by_backend("ST_EVENT_REPORT_L2") == [[(l2, 1)], []]
+    assert await by_backend(7) == [[(l1, 2)], []]
+    assert await by_backend("8", l1) == await by_backend() == [[(l1, 2), (l2, 1)], []]
+    assert await by_backend(location_spec_names=["swa"]) == [[(l1, 1)], []]
+    assert await by_backend("ST_NFS") == [[], []]
+    bad = await api(
+        "getCacheLocationsByBackend",
+        {"instance_id": IID, "block_keys": [1], "backend_selectors": [{"backend_type": "NO"}]},
+    )
+    assert code(bad) == "INVALID_ARGUMENT"
+
+
+async def test_write_session_honours_min_replica_count(api: Api, clock: FakeClock) -> None:
+    """Rule 7: startWriteCache hands out a write location (and a session id) for each key whose
+    visible replicas plus finished writes are fewer than min_replica_count; once
+    finishWriteCache reports success the next call for those keys answers no locations."""
+
+    async def start(keys: list[int], n: int) -> dict[str, Any]:
+        resp = await api(
+            "startWriteCache",
+            {
+                "instance_id": IID,
+                "block_keys": keys,
+                "write_timeout_seconds": 10,
+                "min_replica_count": n,
+            },
+        )
+        assert code(resp) == "OK" and HEX32.fullmatch(resp["write_session_id"])
+        return resp
+
+    async def finish(session: str, mask: dict[str, Any]) -> str:
+        body = {"instance_id": IID, "write_session_id": session, "success_blocks": mask}
+        return code(await api("finishWriteCache", body))
+
+    await api.report(add(1))  # key 1 has one visible replica, key 2 none
+    assert (await start([1, 2], 1))["block_mask"]["bool_masks"]["values"] == [True, False]
+    s = await start([1, 2], 2)
+    assert len(s["locations"]) == 2 and s["locations"][0]["location_specs"][0]["name"] == "full"
+    assert await finish(s["write_session_id"], {"bool_masks": {"values": [True, True]}}) == "OK"
+    assert await finish(s["write_session_id"], {"offset": 2}) == "INVALID_ARGUMENT"  # spent
+    s = await start([1, 2], 2)  # key 1: 1 visible + 1 written; key 2: 1 written
+    assert s["block_mask"]["bool_masks"]["values"] == [True, False] and len(s["locations"]) == 1
+    assert await finish(s["write_session_id"], {"offset": 1}) == "OK"
+    assert (await start([1, 2], 2))["locations"] == []
+    late = await start([1, 2], 3)
+    clock.t += 11  # past write_timeout_seconds: the session expired, nothing was written
+    assert await finish(late["write_session_id"], {"offset": 2}) == "INVALID_ARGUMENT"
+    assert len((await start([1, 2], 3))["locations"]) == 2

@@ -86,6 +86,8 @@ def test_attach_tp0_pp1_publishes(ring_name: str) -> None:
         ({"KV_CACHE_EVENT_REQUIRED_GROUPS": "3"}, "required_groups"),
         ({"KV_CACHE_EVENT_MEDIUM": "h#m"}, "medium"),
         ({"KV_CACHE_EVENT_MEDIUMS": "hbm,d#sk"}, "medium"),
+        ({"KV_CACHE_EVENT_MAX_STAGE_DELAY_MS": "nan"}, "max_stage_delay_ms"),
+        ({"KV_CACHE_EVENT_MAX_STAGE_DELAY_MS": "inf"}, "max_stage_delay_ms"),
     ],
 )
 def test_attach_bad_config_names_field(env: dict[str, str], field: str) -> None:
@@ -340,8 +342,34 @@ def test_snapshot_from_a_producer_without_mediums_reads_as_medium_0(ring_name: s
     )
     assert snapshot.poll(seg, req).mediums.tolist() == [2, 1]  # type: ignore[union-attr]
     assert w._mm is not None
-    np.ndarray((8,), np.uint64, buffer=w._mm)[L.SW_FLAGS] = 0  # as an older producer leaves it
+    hv = np.ndarray((8,), np.uint64, buffer=w._mm)
+    hv[L.SW_FLAGS] = 0  # as a producer from before mediums leaves a fresh segment
+    seg.hdr[L.W_SNAP_BYTES] = L.snapshot_bytes(int(hv[L.SW_CAPACITY]), 0)
     snap = snapshot.poll(seg, req)
     assert snap is not None and snap.keys.tolist() == [7, 8] and snap.mediums.tolist() == [0, 0]
+    # An engine rolled back to such a producer after a newer one wrote the segment: the flags
+    # word is stale, but the answer's size (12-byte entries, its own capacity) tells.
+    hv[L.SW_FLAGS] = L.SNAP_FLAG_MEDIUMS
+    old_cap = (int(seg.hdr[L.W_SNAP_BYTES]) - L.SNAP_HEADER_SIZE) // 12
+    hv[L.SW_CAPACITY] = old_cap
+    seg.hdr[L.W_SNAP_BYTES] = L.snapshot_bytes(old_cap, 0)
+    np.ndarray((2,), np.uint32, buffer=w._mm, offset=L.SNAP_HEADER_SIZE + 8 * old_cap)[:] = 1
+    snap = snapshot.poll(seg, req)
+    assert snap is not None and snap.keys.tolist() == [7, 8] and snap.mediums.tolist() == [0, 0]
+    assert snap.masks.tolist() == [1, 1]
+    del hv
+    w.close()
+    seg.close()
+
+
+def test_writer_ignores_a_garbage_reader_cursor_at_attach(ring_name: str) -> None:
+    from sidecar.shm_ring.writer import RingWriter
+
+    seg = Segment(ring_name, 16)
+    seg.hdr[L.W_HEAD] = 1 << 40  # far beyond the tail: not a cursor a reader could have left
+    w = RingWriter(seg)
+    assert w.free_slots() <= 16  # never more room than the ring has
+    assert w.write(np.arange(20, dtype=np.int64), L.pack_meta(L.KIND_STORED)) == 16
+    assert w.dropped == 4
     w.close()
     seg.close()
