@@ -136,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--duration", type=float, default=12.0, help="seconds of workload")
     d.add_argument("--ranks", type=int, default=2, help="dp ranks (engine + sidecar each)")
     d.add_argument("--seed", type=int, default=1, help="workload seed")
+    d.add_argument(
+        "--source",
+        choices=("ring", "zmq"),
+        default="ring",
+        help="ring: engine_hook engines (default); zmq: two vLLM-format ZMQ KV-event engines "
+        "(int hashes, 32-byte digests; GPU and CPU) with a gap and a sidecar restart",
+    )
     _sub(
         sub,
         "include-dir",
@@ -360,9 +367,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     import uvloop
 
     if args.command == "demo":
+        logging.basicConfig(level=logging.WARNING)
+        if args.source == "zmq":
+            from sidecar import demo_zmq
+
+            sys.exit(demo_zmq.run(args.duration, args.seed))
         from sidecar import demo
 
-        logging.basicConfig(level=logging.WARNING)
         sys.exit(demo.run(args.duration, args.ranks, args.seed))
     if args.command == "kvcm-server":
         logs.setup()

@@ -60,6 +60,39 @@ class RingConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
     engine_snapshot_timeout_s: PosFloat = 30.0
 
 
+DEFAULT_MEDIUM_MAP = "GPU=hbm,CPU=mem,CPU_PINNED=mem,DISK=disk,STORAGE=disk,EXTERNAL=remote"
+
+
+class ZmqConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A vLLM / SGLang KV-event stream (`--kv-events-config`); env KV_CACHE_EVENT_ZMQ_*."""
+
+    endpoint: str = ""  # the engine's `endpoint`, as given to it (tcp://*:5557, ipc://...)
+    replay_endpoint: str = ""  # the engine's `replay_endpoint`; empty: no replay (gaps forget)
+    bind: bool | None = None  # None: connect if the engine binds (tcp://*:P, ipc), else bind
+    topic: str = ""  # the engine's `topic` (a prefix filter; empty: every topic)
+    engine: Literal["vllm", "sglang", "auto"] = "auto"
+    block_size: PosInt = 16  # tokens per block; events with another block_size are dropped
+    model_name: str = "model"
+    dtype: str = "auto"
+    tp_size: PosInt = 1
+    dp_size: PosInt = 1
+    block_bytes: PosInt = 4096  # KV bytes per block (the spec size registered with KVCM)
+    required_groups: str = "0"  # kv cache groups (group_idx) that must all hold a block
+    medium_map: str = DEFAULT_MEDIUM_MAP  # engine medium=KVCM medium; absent medium = GPU
+    health_url: str = ""  # e.g. http://127.0.0.1:8000/health; empty: no probe
+    health_interval_s: PosFloat = 1.0
+    health_timeout_s: PosFloat = 1.0
+    health_fail_after: PosInt = 3  # consecutive failed probes that mean ENGINE_DOWN
+    replay_timeout_s: PosFloat = 2.0  # no reply (or no end marker) in time: a forget
+    checkpoint_interval_s: PosFloat = 5.0
+
+
+class SourceConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    kind: Literal["ring", "zmq"] = "ring"
+    state_dir: str = "/dev/shm/kvcm-sidecar"  # noqa: S108 - the ZMQ source's checkpoint
+    zmq: ZmqConfig = msgspec.field(default_factory=ZmqConfig)
+
+
 class ReportConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # A delta is sent when flush_window_s has passed since its oldest change, or as soon as
     # flush_at_keys keys are waiting (rtp-llm's publisher: 1000 events or 20 ms), so at high
@@ -72,6 +105,10 @@ class ReportConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True
     batch_max_keys: PosInt = 4096
     heartbeat_interval_s: PosFloat = 1.0
     periodic_snapshot_s: PosFloat = 300.0
+    # After a delta got no answer (timeout, broken connection), KVCM may still apply it later
+    # with older state than its retry; the reconciling snapshot waits this long so that such a
+    # straggler lands first (docs/wire.md).
+    ambiguous_snapshot_delay_s: NonNegFloat = 5.0
     backoff_base_s: PosFloat = 0.5
     backoff_cap_s: PosFloat = 30.0
     retry_after_cap_s: PosFloat = 300.0
@@ -103,6 +140,7 @@ class Config(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
     publisher_type: Literal["none", "kvcm"] = "kvcm"
     manager: ManagerConfig = msgspec.field(default_factory=ManagerConfig)
     identity: IdentityConfig = msgspec.field(default_factory=IdentityConfig)
+    source: SourceConfig = msgspec.field(default_factory=SourceConfig)
     ring: RingConfig = msgspec.field(default_factory=RingConfig)
     report: ReportConfig = msgspec.field(default_factory=ReportConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
@@ -113,6 +151,8 @@ class Config(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.publisher_type != "kvcm":
             return
+        if self.source.kind == "zmq":
+            _check_zmq(self.source.zmq)
         if not self.manager.endpoint:
             raise ValueError("manager.endpoint is required when publisher_type=kvcm")
         if not _ENDPOINT.fullmatch(self.manager.endpoint):
@@ -146,6 +186,46 @@ class Config(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
         return f"{i.host_ip}:{i.base_port + i.dp_rank * i.port_stride}"
 
 
+_ZMQ_ENDPOINT = re.compile(r"(tcp://[^\s/]+:\d{1,5}|ipc://\S+|inproc://\S+)")
+_HTTP_URL = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+(:\d{1,5})?(/\S*)?")
+
+
+def medium_map(text: str) -> dict[str, str]:
+    """`GPU=hbm,CPU=mem` -> {"GPU": "hbm", "CPU": "mem"}; ValueError names the bad entry."""
+    out: dict[str, str] = {}
+    for item in text.split(","):
+        engine, sep, kvcm = (p.strip() for p in item.partition("="))
+        if not sep or not engine or not kvcm or "#" in kvcm:
+            raise ValueError(f"source.zmq.medium_map entry {item!r} must be ENGINE=KVCM (no '#')")
+        out[engine] = kvcm
+    return out
+
+
+def group_list(text: str) -> tuple[int, ...]:
+    try:
+        groups = tuple(int(g) for g in text.split(",") if g.strip())
+    except ValueError:
+        raise ValueError(f"source.zmq.required_groups {text!r}: comma list of ints") from None
+    if not groups or any(not 0 <= g < 63 for g in groups):
+        raise ValueError(f"source.zmq.required_groups {text!r}: groups 0..62, at least one")
+    return groups
+
+
+def _check_zmq(z: ZmqConfig) -> None:
+    if not z.endpoint:
+        raise ValueError("source.zmq.endpoint is required when source.kind=zmq")
+    for name in ("endpoint", "replay_endpoint"):
+        value = getattr(z, name)
+        if value and not _ZMQ_ENDPOINT.fullmatch(value):
+            raise ValueError(
+                f"source.zmq.{name} {value!r} must be tcp://host:port, ipc://path or inproc://name"
+            )
+    if z.health_url and not _HTTP_URL.fullmatch(z.health_url):
+        raise ValueError(f"source.zmq.health_url {z.health_url!r} must be http(s)://host[:port]/")
+    medium_map(z.medium_map)
+    group_list(z.required_groups)
+
+
 _ENDPOINT = re.compile(r"https?://([^@/\s]+@)?[A-Za-z0-9.\-\[\]:]+:\d{1,5}/?")
 _HOST_PORT = re.compile(r"[^\s:]+(:[^\s:]+)*:\d{1,5}")
 
@@ -168,20 +248,23 @@ ENV_ALIASES = {
     "KV_CACHE_EVENT_RING_NAME": "ring.name",
     "KV_CACHE_EVENT_RING_CAPACITY_SLOTS": "ring.capacity_slots",
     "KV_CACHE_EVENT_METRICS_ADDR": "http.metrics_addr",
+    "KV_CACHE_EVENT_SOURCE": "source.kind",
+    "KV_CACHE_EVENT_STATE_DIR": "source.state_dir",
 }
 
 
 def field_paths() -> list[tuple[str, Any, Any]]:
     """(path, type, default) for every leaf field, for docs and the generic env names."""
     out: list[tuple[str, Any, Any]] = []
-    for f in msgspec.structs.fields(Config):
-        if isinstance(f.default_factory, type) and issubclass(f.default_factory, Frozen):
-            out.extend(
-                (f"{f.name}.{sub.name}", sub.type, sub.default)
-                for sub in msgspec.structs.fields(f.default_factory)
-            )
-        else:
-            out.append((f.name, f.type, f.default))
+
+    def walk(struct: type, prefix: str) -> None:
+        for f in msgspec.structs.fields(struct):
+            if isinstance(f.default_factory, type) and issubclass(f.default_factory, Frozen):
+                walk(f.default_factory, f"{prefix}{f.name}.")
+            else:
+                out.append((f"{prefix}{f.name}", f.type, f.default))
+
+    walk(Config, "")
     return out
 
 
@@ -189,6 +272,8 @@ def env_name(path: str) -> str:
     for name, p in ENV_ALIASES.items():
         if p == path:
             return name
+    if path.startswith("source.zmq."):  # KV_CACHE_EVENT_ZMQ_ENDPOINT, ..._ZMQ_HEALTH_URL, ...
+        return "KV_CACHE_EVENT_ZMQ_" + path.removeprefix("source.zmq.").upper()
     return "KV_CACHE_EVENT_" + path.replace(".", "_").upper()
 
 
@@ -226,13 +311,17 @@ def load(
         name = env_name(path)
         if name in env:
             raw = env[name]
-            _set(tree, path, raw.strip().lower() if path == "publisher_type" else raw)
+            if path in _LOWERED:
+                raw = raw.strip().lower()
+            if path == "source.zmq.bind" and not raw.strip():
+                continue  # unset: infer
+            _set(tree, path, raw)
             source[path] = f"env {name}"
     for raw_path, text in (overrides or {}).items():
         path = raw_path.replace("-", "_")
         if path not in known:
             raise ConfigError(f"--set {raw_path}: unknown field")
-        _set(tree, path, text.strip().lower() if path == "publisher_type" else text)
+        _set(tree, path, text.strip().lower() if path in _LOWERED else text)
         source[path] = f"--set {raw_path}"
     try:
         return msgspec.convert(tree, Config, strict=False)
@@ -245,6 +334,9 @@ def load(
             named = re.match(r"([\w.]+) ", msg)
             where = source.get(named.group(1), "defaults") if named else "defaults"
         raise ConfigError(f"{where}: {path}: {msg}" if path else f"{where}: {msg}") from None
+
+
+_LOWERED = ("publisher_type", "source.kind", "source.zmq.engine")
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:

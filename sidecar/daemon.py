@@ -1,9 +1,10 @@
-"""The daemon's lifecycle: locks, ring, one TaskGroup owning every loop, shutdown with a deadline.
+"""The daemon's lifecycle: locks, source, one TaskGroup owning every loop, shutdown with a deadline.
 
 Imports: stdlib, aiohttp, everything in `sidecar` except engine_hook's hook. Loops are thin; the
-work is in Publisher/EngineSync steps. A crash in one loop cancels the rest and propagates (the
-CLI exits non-zero so systemd/k8s restart the process). The stop event (set by the CLI's signal
-handlers) ends the group; then the final drain, flush and HOST_DOWN run under the grace timeout.
+work is in Publisher and source steps (the source, ring or ZMQ, brings its own feed loops). A
+crash in one loop cancels the rest and propagates (the CLI exits non-zero so systemd/k8s restart
+the process). The stop event (set by the CLI's signal handlers) ends the group; then the final
+drain, flush and HOST_DOWN run under the grace timeout.
 """
 
 from __future__ import annotations
@@ -19,20 +20,19 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
-import posix_ipc
 from aiohttp import web
 
 from sidecar.config import Config, parse_addr
-from sidecar.engine_sync import EngineSync
 from sidecar.key_state import KeyState
 from sidecar.kvcm_client.client import KvcmClient
 from sidecar.metrics.registry import Metrics
 from sidecar.metrics.server import build_app
 from sidecar.publisher import Publisher, State
 from sidecar.shm_ring import layout as L
-from sidecar.shm_ring.doorbell import Listener
 from sidecar.shm_ring.reader import ReaderConflict, RingReader
 from sidecar.shm_ring.segment import Segment
+from sidecar.source.base import Source
+from sidecar.source.ring import RingSource
 
 log = logging.getLogger(__name__)
 Sleep = Callable[[float], Awaitable[None]]
@@ -109,6 +109,15 @@ class Daemon:
             if self.cfg.publisher_type == "none":
                 await self._serve_http_until_stop()
                 return 0
+            keys = KeyState(clock=self.clock)
+            if self.cfg.source.kind == "zmq":
+                from sidecar.source.zmq import ZmqSource
+
+                zsrc = ZmqSource(self.cfg, keys, clock=self.clock)
+                try:
+                    return await self._run_with_source(zsrc)
+                finally:
+                    zsrc.close()
             seg = Segment(
                 ring_name(self.cfg), self.cfg.ring.capacity_slots or None, lock_budget_s=1.0
             )
@@ -118,7 +127,8 @@ class Daemon:
                 seg.close()
                 raise IdentityBusy(str(exc)) from None
             try:
-                return await self._run_with_ring(reader)
+                src = RingSource(self.cfg, reader, keys, sleep=self.sleep, clock=self.clock)
+                return await self._run_with_source(src)
             finally:
                 reader.close()
                 seg.close()
@@ -143,16 +153,12 @@ class Daemon:
         self.started.set()
         return runner
 
-    async def _run_with_ring(self, reader: RingReader) -> int:
+    async def _run_with_source(self, source: Source) -> int:
         cfg = self.cfg
-        keys = KeyState(clock=self.clock)
-        sync = EngineSync(
-            reader, keys, snapshot_timeout_s=cfg.ring.engine_snapshot_timeout_s, clock=self.clock
-        )
         timeout = aiohttp.ClientTimeout(total=None, connect=cfg.manager.request_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             client = KvcmClient(session, cfg.manager.endpoint, cfg.manager.max_response_bytes)
-            p = Publisher(cfg, client, sync, clock=self.clock, on_request=self.metrics.observe)
+            p = Publisher(cfg, client, source, clock=self.clock, on_request=self.metrics.observe)
             p.on_reregister = self.work.set
             self.publisher = p
             self.metrics.attach(p)
@@ -160,14 +166,15 @@ class Daemon:
             try:
                 try:
                     async with asyncio.TaskGroup() as tg:
-                        tg.create_task(self._drain_loop(sync), name="drain")
+                        for name, loop in source.loops(self.work).items():
+                            tg.create_task(loop, name=name)  # type: ignore[arg-type]
                         tg.create_task(self._report_loop(p), name="report")
                         tg.create_task(self._heartbeat_loop(p), name="heartbeat")
                         tg.create_task(self._watch_loop(p), name="engine-watch")
                         tg.create_task(self._stop_waiter(), name="stop")
                 except* _Stop:
                     pass
-                await self._shutdown(p, sync)
+                await self._shutdown(p, source)
             finally:
                 await runner.cleanup()
         return 0
@@ -175,76 +182,6 @@ class Daemon:
     async def _stop_waiter(self) -> None:
         await self.stop.wait()
         raise _Stop
-
-    async def _drain_loop(self, sync: EngineSync) -> None:
-        # Idle polls cost two 8-byte loads; a full step (which also notices a new engine
-        # incarnation that has not written yet) runs at least every engine watch interval.
-        # The poll period doubles while the ring stays empty, up to idle_poll_interval_s, and
-        # drops back to poll_interval_s on the first record: each wake-up of the event loop
-        # costs far more than the poll itself, so an idle sidecar must not spin; instead it
-        # sleeps on the engine's doorbell (shm_ring/doorbell.py), so a quiet spell does not
-        # delay the next records by a poll interval.
-        busy = self.cfg.ring.poll_interval_s
-        idle = max(self.cfg.ring.idle_poll_interval_s, busy)
-        full_every = self.cfg.engine.watch_interval_s
-        reader = sync.reader
-        wake = asyncio.Event()
-        loop = asyncio.get_running_loop()
-
-        def rung() -> None:  # on the doorbell's thread
-            loop.call_soon_threadsafe(wake.set)
-
-        try:
-            bell: Listener | None = Listener(reader.seg.name, reader.seg.hdr, rung)
-        except (posix_ipc.Error, OSError) as exc:  # an optimisation only: poll instead
-            log.warning("doorbell unavailable, polling the ring instead: %r", exc)
-            bell = None
-        try:
-            await self._drain(sync, bell, wake, busy, idle, full_every)
-        finally:
-            if bell is not None:
-                bell.close()
-
-    async def _drain(
-        self,
-        sync: EngineSync,
-        bell: Listener | None,
-        wake: asyncio.Event,
-        busy: float,
-        idle: float,
-        full_every: float,
-    ) -> None:
-        last_full = 0.0
-        delay = busy
-        last_poll = self.clock()
-        while True:
-            now = self.clock()
-            full = now - last_full >= full_every
-            if full:
-                last_full = now
-            was_dirty = bool(sync.keys.dirty)
-            r = sync.step(full=full)
-            if r.records and not was_dirty and sync.keys.dirty:
-                # These records reached the ring after the previous poll: start the flush
-                # window there, so it bounds the time a change waits in ring + sidecar.
-                sync.keys.dirty_since = last_poll
-            last_poll = now
-            if r.records or r.resynced:
-                self.work.set()
-            delay = busy if r.records else min(delay * 2, idle)
-            if delay <= busy or bell is None:
-                await self.sleep(delay)
-                continue
-            # Idle: sleep until the engine rings the doorbell or the poll interval passes.
-            wake.clear()
-            bell.asleep(True)
-            try:
-                if sync.reader.idle():  # re-check once the flag is visible
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(delay):
-                            await wake.wait()
-            finally:
-                bell.asleep(False)
 
     async def _report_loop(self, p: Publisher) -> None:
         window = self.cfg.report.flush_window_s
@@ -285,15 +222,15 @@ class Daemon:
                 self.work.set()
             await self.sleep(self.cfg.engine.watch_interval_s)
 
-    async def _shutdown(self, p: Publisher, sync: EngineSync) -> None:
-        """Drain what the ring holds, flush, then HOST_DOWN, all within the grace period."""
+    async def _shutdown(self, p: Publisher, source: Source) -> None:
+        """Drain what the source holds, flush, then HOST_DOWN, all within the grace period."""
         p.stopping = True
         log.info("shutdown: draining dirty=%d", len(p.keys.dirty))
         cfg = self.cfg
         deadline = self.clock() + cfg.shutdown.grace_s - cfg.shutdown.host_down_budget_s - 0.2
         try:
             async with asyncio.timeout(max(deadline - self.clock(), 0.0)):
-                sync.step()
+                await source.final_drain()
                 while p.registered and p.keys.dirty and p.retry_at <= self.clock():
                     before = len(p.keys.dirty)
                     await p.send_deltas()

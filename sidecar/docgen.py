@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, get_args
@@ -24,6 +25,8 @@ def _type_name(t: Any) -> str:
         return str(args[0].__name__)
     if str(t).startswith("typing.Literal"):
         return " \\| ".join(str(a) for a in args)
+    if isinstance(t, types.UnionType):  # bool | None: unset means "infer"
+        return " \\| ".join("unset" if a is type(None) else a.__name__ for a in args)
     return getattr(t, "__name__", str(t))
 
 

@@ -1,11 +1,9 @@
-"""What is published, what KVCM has confirmed, and the difference between them.
+"""What is published, what KVCM has confirmed, and the difference between them, per medium.
 
-Imports: numpy + sidecar.shm_ring. Per key: the cache groups that hold it (from the ring and
-engine snapshots; published when every required group does), whether KVCM has confirmed it
-(`acked`), and whether it waits in the dirty queue. Sending is always "make KVCM's copy equal to
-the engine's", so retries are idempotent and per-key coalescing (last state wins) is free.
-Everything lives in dense numpy columns behind a hash index (shm_ring/key_table.py, ~52 bytes per
-key, re-indexed in bounded steps), and every operation works on whole batches.
+Imports: numpy + sidecar.shm_ring. Per (key, medium): the groups that hold it (published when
+every required group does), `acked` (KVCM confirmed it), `queued` (in the dirty queue). Sending
+makes KVCM's copy equal to the engine's, so retries are idempotent and coalescing is free. Each
+medium has dense numpy columns behind a hash index (shm_ring/key_table.py); batches throughout.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ from sidecar.shm_ring.key_table import KeyTable, Mover
 from sidecar.shm_ring.layout import KIND_CLEARED
 
 _MIN_CAP = 1 << 16  # ~2 MB to start with; smaller made the first 100 k keys re-index 5 times
+_MEDIUM_SHIFT = np.uint64(16)  # ring meta: the medium index is the u8 at bits 16..23
 
 
 class _Size:
@@ -38,17 +37,24 @@ class _Size:
 
 
 class Batch:
-    """Keys taken for one delta request: adds first, then deletes (the item_results order)."""
+    """Keys taken for one delta request: adds first, then deletes (the item_results order);
+    within each, keys of one medium are contiguous (one run of fixed-width rows per medium)."""
 
-    __slots__ = ("epoch", "keys", "pos", "publish")
+    __slots__ = ("epochs", "keys", "mediums", "pos", "publish")
 
     def __init__(
-        self, keys: np.ndarray, publish: np.ndarray, pos: np.ndarray | None = None, epoch: int = -1
+        self,
+        keys: np.ndarray,
+        publish: np.ndarray,
+        mediums: np.ndarray | None = None,
+        pos: np.ndarray | None = None,
+        epochs: dict[int, int] | None = None,
     ) -> None:
         self.keys = keys  # int64 bit patterns
         self.publish = publish  # bool: ADD (True) or DELETE (False)
-        self.pos = pos  # dense positions in the key state of `epoch` (saves a lookup)
-        self.epoch = epoch
+        self.mediums = np.zeros(len(keys), np.uint8) if mediums is None else mediums
+        self.pos = pos  # dense positions in each medium's key table (saves a lookup)
+        self.epochs = epochs or {}  # medium -> table epoch the positions belong to
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -63,12 +69,194 @@ class Batch:
         out: np.ndarray = self.keys[~self.publish]
         return out
 
+    @property
+    def add_mediums(self) -> np.ndarray:
+        out: np.ndarray = self.mediums[self.publish]
+        return out
+
+    @property
+    def delete_mediums(self) -> np.ndarray:
+        out: np.ndarray = self.mediums[~self.publish]
+        return out
+
     def pairs(self) -> list[tuple[int, bool]]:
         """(key, publish?) per item, for tests and diagnostics."""
         return list(zip(self.keys.tolist(), self.publish.tolist(), strict=True))
 
+    def triples(self) -> list[tuple[int, int, bool]]:
+        """(key, medium, publish?) per item, for tests and diagnostics."""
+        return list(
+            zip(self.keys.tolist(), self.mediums.tolist(), self.publish.tolist(), strict=True)
+        )
+
 
 _EMPTY = Batch(np.zeros(0, np.int64), np.zeros(0, np.bool_))
+
+
+class _Tier:
+    """The key state of one medium: group masks, acked, queued, and its dirty queue."""
+
+    def __init__(self, owner: KeyState, medium: int) -> None:
+        self.owner = owner
+        self.medium = medium
+        self.published_count = 0
+        self.t = KeyTable(
+            {"masks": np.int64, "acked": np.bool_, "queued": np.bool_},
+            live=("masks", "acked", "queued"),  # held, confirmed, or waiting to be sent
+            min_capacity=_MIN_CAP,
+        )
+        self.t.on_move = self._move_queue
+        self.queue: list[np.ndarray] = []  # dense positions, in the order they became dirty
+        self.ndirty = 0
+        self.nacked = 0
+
+    @property
+    def masks(self) -> np.ndarray:
+        return self.t.cols["masks"]
+
+    @property
+    def acked(self) -> np.ndarray:
+        return self.t.cols["acked"]
+
+    @property
+    def queued(self) -> np.ndarray:
+        return self.t.cols["queued"]
+
+    @property
+    def n(self) -> int:
+        return self.t.n
+
+    @property
+    def keys(self) -> np.ndarray:
+        return self.t.keys
+
+    def find(self, ukeys: np.ndarray, insert: bool) -> np.ndarray:
+        return self.t.find(ukeys, insert)
+
+    def _move_queue(self, moved: Mover) -> None:
+        self.queue = [moved(q) for q in self.queue if len(q)]  # queued keys are live
+
+    def published(self, masks: np.ndarray) -> np.ndarray:
+        req = self.owner.required
+        out: np.ndarray = (masks & req) == req
+        return out
+
+    def mark_dirty(self, pos: np.ndarray, front: bool = False) -> None:
+        """Queue the positions not queued yet: last in line, or first (`front`, for retries)."""
+        pos = pos[~self.queued[pos]]
+        if len(pos):
+            o = self.owner
+            if not o._ndirty:
+                o.dirty_since = o.clock()
+            self.queued[pos] = True
+            if front:
+                self.queue.insert(0, pos)
+            else:
+                self.queue.append(pos)
+            self.ndirty += len(pos)
+            o._ndirty += len(pos)
+
+    def recount(self) -> None:
+        new = int(self.published(self.masks[: self.n]).sum())
+        self.owner.published_count += new - self.published_count
+        self.published_count = new
+
+    def apply_bits(self, ukeys: np.ndarray, set_m: np.ndarray, clr_m: np.ndarray) -> None:
+        """Distinct keys: clear then set these group bits."""
+        self.apply_bits_at(self.find(ukeys, insert=True), set_m, clr_m)
+
+    def apply_bits_at(self, pos: np.ndarray, set_m: np.ndarray, clr_m: np.ndarray) -> None:
+        old = self.masks[pos]
+        new = (old & ~clr_m) | set_m
+        self.masks[pos] = new
+        was, now = self.published(old), self.published(new)
+        delta = int(now.sum()) - int(was.sum())
+        self.published_count += delta
+        self.owner.published_count += delta
+        self.mark_dirty(pos[was != now])
+
+    def clear(self) -> None:
+        n = self.n
+        self.mark_dirty(np.flatnonzero(self.published(self.masks[:n])))
+        self.masks[:n] = 0
+        self.owner.published_count -= self.published_count
+        self.published_count = 0
+
+    def replace(self, ukeys: np.ndarray, umasks: np.ndarray) -> None:
+        pos = self.find(ukeys, insert=True)
+        n = self.n
+        new = np.zeros(n, np.int64)
+        new[pos] = umasks
+        was, now = self.published(self.masks[:n]), self.published(new)
+        self.masks[:n] = new
+        count = int(now.sum())
+        self.owner.published_count += count - self.published_count
+        self.published_count = count
+        self.mark_dirty(np.flatnonzero(was != now))
+
+    def take(self, limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """Up to `limit` (positions, publish?) whose state differs from `acked`, oldest first."""
+        out_p: list[np.ndarray] = []
+        out_pos: list[np.ndarray] = []
+        got = 0
+        while self.queue and got < limit:
+            head = self.queue[0]
+            take = head[: limit - got]
+            rest = head[len(take) :]
+            if len(rest):
+                self.queue[0] = rest
+            else:
+                self.queue.pop(0)
+            self.queued[take] = False
+            self.ndirty -= len(take)
+            self.owner._ndirty -= len(take)
+            pub = self.published(self.masks[take])
+            differ = pub != self.acked[take]  # never re-send an unchanged key
+            out_pos.append(take[differ])
+            out_p.append(pub[differ])
+            got += int(differ.sum())
+        if not out_pos:
+            return np.zeros(0, np.int64), np.zeros(0, np.bool_)
+        return np.concatenate(out_pos), np.concatenate(out_p)
+
+    def confirm(
+        self, keys: np.ndarray, pubs: np.ndarray, pos: np.ndarray | None, bad: np.ndarray
+    ) -> None:
+        if pos is None:  # compacted while in flight: look the keys up again
+            pos = self.find(keys, insert=True)
+        ok = ~bad
+        p_ok = pos[ok]
+        delta = int(pubs[ok].sum()) - int(self.acked[p_ok].sum())
+        self.nacked += delta
+        self.owner._nacked += delta
+        self.acked[p_ok] = pubs[ok]
+        # Keys that changed again while in flight stay dirty.
+        self.mark_dirty(p_ok[self.published(self.masks[p_ok]) != pubs[ok]])
+        if bad.any():
+            self.mark_dirty(self.find(keys[bad], insert=True), front=True)
+
+    def commit_snapshot(self, sent: np.ndarray) -> None:
+        n = self.n
+        self.acked[:n] = False
+        if len(sent):
+            self.acked[self.find(sent, insert=True)] = True
+        n = self.n
+        self.owner._nacked += len(sent) - self.nacked
+        self.nacked = len(sent)
+        self.queued[:n] = False
+        self.owner._ndirty -= self.ndirty
+        self.queue, self.ndirty = [], 0
+
+    def forget_acked(self) -> None:
+        n = self.n
+        self.acked[:n] = False
+        self.owner._nacked -= self.nacked
+        self.nacked = 0
+        self.mark_dirty(np.flatnonzero(self.published(self.masks[:n])))
+
+    def mark_differing(self) -> None:
+        n = self.n
+        self.mark_dirty(np.flatnonzero(self.published(self.masks[:n]) != self.acked[:n]))
 
 
 class KeyState:
@@ -79,60 +267,15 @@ class KeyState:
         self.dirty_since = 0.0  # when the dirty queue last went from empty to non-empty
         self.required = sum(1 << g for g in set(required_groups)) or 1
         self.published_count = 0
-        self._t = KeyTable(
-            {"masks": np.int64, "acked": np.bool_, "queued": np.bool_},
-            live=("masks", "acked", "queued"),  # held, confirmed, or waiting to be sent
-            min_capacity=_MIN_CAP,
-        )
-        self._t.on_move = self._move_queue
-        self._queue: list[np.ndarray] = []  # dense positions, in the order they became dirty
         self._ndirty = 0
         self._nacked = 0
+        self._tiers: list[_Tier] = [_Tier(self, 0)]  # index = medium index
+        self._next = 0  # the medium take_batch starts with (round robin between mediums)
 
-    # ---- storage: columns in a KeyTable (re-indexed in bounded steps) -----------------------
-    @property
-    def _masks(self) -> np.ndarray:
-        return self._t.cols["masks"]
-
-    @property
-    def _acked(self) -> np.ndarray:
-        return self._t.cols["acked"]
-
-    @property
-    def _queued(self) -> np.ndarray:
-        return self._t.cols["queued"]
-
-    @property
-    def _n(self) -> int:
-        return self._t.n
-
-    @property
-    def _keys(self) -> np.ndarray:
-        return self._t.keys
-
-    def _find(self, ukeys: np.ndarray, insert: bool) -> np.ndarray:
-        """Dense position of each distinct key (-1 if absent and not inserting)."""
-        return self._t.find(ukeys, insert)
-
-    def _move_queue(self, moved: Mover) -> None:
-        self._queue = [moved(q) for q in self._queue if len(q)]  # queued keys are live
-
-    def _published(self, masks: np.ndarray) -> np.ndarray:
-        out: np.ndarray = (masks & self.required) == self.required
-        return out
-
-    def _mark_dirty(self, pos: np.ndarray, front: bool = False) -> None:
-        """Queue the positions not queued yet: last in line, or first (`front`, for retries)."""
-        pos = pos[~self._queued[pos]]
-        if len(pos):
-            if not self._ndirty:
-                self.dirty_since = self.clock()
-            self._queued[pos] = True
-            if front:
-                self._queue.insert(0, pos)
-            else:
-                self._queue.append(pos)
-            self._ndirty += len(pos)
+    def _tier(self, medium: int) -> _Tier:
+        while len(self._tiers) <= medium:
+            self._tiers.append(_Tier(self, len(self._tiers)))
+        return self._tiers[medium]
 
     # ---- views --------------------------------------------------------------------------------
     @property
@@ -143,157 +286,193 @@ class KeyState:
     def acked(self) -> _Size:
         return _Size(self._nacked)
 
+    @property
+    def mediums(self) -> int:
+        """Medium indexes in use so far (1 + the highest seen)."""
+        return len(self._tiers)
+
     def set_required(self, required_groups: Iterable[int]) -> None:
         req = sum(1 << g for g in set(required_groups)) or 1
         if req != self.required:
             self.required = req
-            self.published_count = int(self._published(self._masks[: self._n]).sum())
+            for t in self._tiers:
+                t.recount()
 
-    def is_published(self, key: int) -> bool:
-        pos = self._find(np.array([key], np.int64), insert=False)[0]
-        return bool(pos >= 0 and self._published(self._masks[pos : pos + 1])[0])
+    def is_published(self, key: int, medium: int = 0) -> bool:
+        if medium >= len(self._tiers):
+            return False
+        t = self._tiers[medium]
+        pos = t.find(np.array([key], np.int64), insert=False)[0]
+        return bool(pos >= 0 and t.published(t.masks[pos : pos + 1])[0])
 
-    def as_dict(self) -> dict[int, int]:
-        """key -> group mask of every held key (for tests and diagnostics)."""
-        n = self._n
-        held = self._masks[:n] != 0
-        return dict(zip(self._keys[:n][held].tolist(), self._masks[:n][held].tolist(), strict=True))
+    def as_dict(self, medium: int = 0) -> dict[int, int]:
+        """key -> group mask of every key held in `medium` (for tests and diagnostics)."""
+        if medium >= len(self._tiers):
+            return {}
+        t = self._tiers[medium]
+        n = t.n
+        held = t.masks[:n] != 0
+        return dict(zip(t.keys[:n][held].tolist(), t.masks[:n][held].tolist(), strict=True))
 
-    def acked_keys(self) -> set[int]:
-        n = self._n
-        return set(self._keys[:n][self._acked[:n]].tolist())
+    def acked_keys(self, medium: int = 0) -> set[int]:
+        if medium >= len(self._tiers):
+            return set()
+        t = self._tiers[medium]
+        n = t.n
+        return set(t.keys[:n][t.acked[:n]].tolist())
 
-    def published_keys(self) -> np.ndarray:
-        n = self._n
-        keys: np.ndarray = self._keys[:n][self._published(self._masks[:n])]
+    def published_keys(self, medium: int = 0) -> np.ndarray:
+        if medium >= len(self._tiers):
+            return np.zeros(0, np.int64)
+        t = self._tiers[medium]
+        n = t.n
+        keys: np.ndarray = t.keys[:n][t.published(t.masks[:n])]
         return keys
+
+    def published(self) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, medium indexes) of every published (key, medium)."""
+        keys = [self.published_keys(m) for m in range(len(self._tiers))]
+        meds = [np.full(len(k), m, np.uint8) for m, k in enumerate(keys)]
+        return np.concatenate(keys), np.concatenate(meds)
 
     # ---- engine side --------------------------------------------------------------------
     def apply(self, records: np.ndarray) -> None:
-        """Fold ring records ((n, 4) uint64 rows: seq, key, meta, parent)."""
+        """Fold ring records ((n, 4) uint64 rows: seq, key, meta, parent); the medium index is
+        meta bits 16..23 (the source has dropped indexes outside its medium table)."""
         if not len(records):
             return
         kinds = (records[:, 2] & 0xFF).astype(np.uint8)
         start = 0
         for c in np.flatnonzero(kinds == KIND_CLEARED).tolist():  # a clear splits the batch
             self._apply_segment(records[start:c])
-            self._clear()
+            self.clear_current()
             start = c + 1
         self._apply_segment(records[start:])
 
     def _apply_segment(self, records: np.ndarray) -> None:
         if not len(records):
             return
-        ukeys, set_m, clr_m = fold_ops(records[:, 1].view(np.int64), records[:, 2])
-        pos = self._find(ukeys, insert=True)
-        old = self._masks[pos]
-        new = (old & ~clr_m) | set_m
-        self._masks[pos] = new
-        was, now = self._published(old), self._published(new)
-        self.published_count += int(now.sum()) - int(was.sum())
-        self._mark_dirty(pos[was != now])
+        metas = records[:, 2]
+        meds = ((metas >> _MEDIUM_SHIFT) & np.uint64(0xFF)).astype(np.uint8)
+        if meds.any():
+            for m in np.unique(meds).tolist():
+                sel = records[meds == m]
+                self._tier(m).apply_bits(*fold_ops(sel[:, 1].view(np.int64), sel[:, 2]))
+            return
+        self._tiers[0].apply_bits(*fold_ops(records[:, 1].view(np.int64), metas))
 
-    def _clear(self) -> None:
-        n = self._n
-        self._mark_dirty(np.flatnonzero(self._published(self._masks[:n])))
-        self._masks[:n] = 0
-        self.published_count = 0
+    def apply_bits(
+        self, medium: int, ukeys: np.ndarray, set_m: np.ndarray, clr_m: np.ndarray
+    ) -> None:
+        """Distinct int64 keys of one medium: clear `clr_m`, then set `set_m` group bits."""
+        if len(ukeys):
+            self._tier(medium).apply_bits(ukeys, set_m, clr_m)
+
+    def table(self, medium: int) -> KeyTable:
+        """The key table of one medium (the ZMQ source keeps its store counts in it as extra
+        columns, so one lookup serves both)."""
+        return self._tier(medium).t
+
+    def apply_bits_at(
+        self, medium: int, pos: np.ndarray, set_m: np.ndarray, clr_m: np.ndarray
+    ) -> None:
+        """As apply_bits, for distinct positions already found in `table(medium)`."""
+        if len(pos):
+            self._tier(medium).apply_bits_at(pos, set_m, clr_m)
 
     def clear_current(self) -> None:
-        """The engine's cache is empty (a new engine incarnation)."""
-        self._clear()
+        """The engine's cache is empty (a clear, a new engine incarnation, a forget)."""
+        for t in self._tiers:
+            t.clear()
 
-    def replace(self, keys: np.ndarray, masks: np.ndarray) -> None:
-        """Replace the engine state with a snapshot; a key may repeat; mask 0 = not held."""
+    def replace(
+        self, keys: np.ndarray, masks: np.ndarray, mediums: np.ndarray | None = None
+    ) -> None:
+        """Replace the engine state with a snapshot; a (key, medium) may repeat (bits OR);
+        mask 0 = not held; `mediums` None = all medium 0."""
         held = masks != 0
         keys, masks = keys[held], masks[held].astype(np.int64)
-        order = np.argsort(keys, kind="stable")
-        keys, masks = keys[order], masks[order]
-        first = np.ones(len(keys), np.bool_)
-        first[1:] = keys[1:] != keys[:-1]
-        idx = np.flatnonzero(first)
-        ukeys = keys[idx]
-        umasks = np.bitwise_or.reduceat(masks, idx) if len(idx) else masks[:0]
-        pos = self._find(ukeys, insert=True)
-        n = self._n
-        new = np.zeros(n, np.int64)
-        new[pos] = umasks
-        was, now = self._published(self._masks[:n]), self._published(new)
-        self._masks[:n] = new
-        self.published_count = int(now.sum())
-        self._mark_dirty(np.flatnonzero(was != now))
+        meds = np.zeros(len(keys), np.uint8) if mediums is None else mediums[held]
+        present = set(np.unique(meds).tolist())
+        for m in sorted(present | set(range(len(self._tiers)))):
+            sel = meds == m
+            k, mk = keys[sel], masks[sel]
+            order = np.argsort(k, kind="stable")
+            k, mk = k[order], mk[order]
+            first = np.ones(len(k), np.bool_)
+            first[1:] = k[1:] != k[:-1]
+            idx = np.flatnonzero(first)
+            umasks = np.bitwise_or.reduceat(mk, idx) if len(idx) else mk[:0]
+            self._tier(m).replace(k[idx], umasks)
 
     # ---- KVCM side ----------------------------------------------------------------------
     def take_batch(self, limit: int) -> Batch:
-        """Up to `limit` keys whose state differs from `acked`, oldest first; adds, then deletes."""
-        out_p: list[np.ndarray] = []
-        out_pos: list[np.ndarray] = []
+        """Up to `limit` (key, medium)s whose state differs from `acked`, oldest first per
+        medium (mediums take turns leading); adds, then deletes, each grouped by medium."""
+        tiers = self._tiers
+        parts: list[tuple[int, np.ndarray, np.ndarray]] = []
         got = 0
-        while self._queue and got < limit:
-            head = self._queue[0]
-            take = head[: limit - got]
-            rest = head[len(take) :]
-            if len(rest):
-                self._queue[0] = rest
-            else:
-                self._queue.pop(0)
-            self._queued[take] = False
-            self._ndirty -= len(take)
-            pub = self._published(self._masks[take])
-            differ = pub != self._acked[take]  # never re-send an unchanged key
-            out_pos.append(take[differ])
-            out_p.append(pub[differ])
-            got += int(differ.sum())
-        if not out_pos:
+        for i in range(len(tiers)):
+            t = tiers[(self._next + i) % len(tiers)]
+            if got >= limit:
+                break
+            if t.ndirty:
+                pos, pub = t.take(limit - got)
+                if len(pos):
+                    parts.append((t.medium, pos, pub))
+                    got += len(pos)
+        self._next = (self._next + 1) % len(tiers)
+        if not parts:
             return _EMPTY
-        pos, pubs = np.concatenate(out_pos), np.concatenate(out_p)
-        order = np.argsort(~pubs, kind="stable")  # each key once, so ADD/DELETE order is free
-        pos = pos[order]
-        return Batch(self._keys[pos], pubs[order], pos, self._t.epoch)
+        if len(parts) == 1:
+            m, pos, pubs = parts[0]
+            order = np.argsort(~pubs, kind="stable")  # each key once: ADD/DELETE order is free
+            pos = pos[order]
+            t = tiers[m]
+            return Batch(
+                t.keys[pos], pubs[order], np.full(len(pos), m, np.uint8), pos, {m: t.t.epoch}
+            )
+        keys = np.concatenate([tiers[m].keys[p] for m, p, _ in parts])
+        pos = np.concatenate([p for _m, p, _ in parts])
+        pubs = np.concatenate([b for _m, _p, b in parts])
+        meds = np.concatenate([np.full(len(p), m, np.uint8) for m, p, _ in parts])
+        order = np.lexsort((meds, ~pubs))
+        epochs = {m: tiers[m].t.epoch for m, _p, _b in parts}
+        return Batch(keys[order], pubs[order], meds[order], pos[order], epochs)
 
     def confirm(self, sent: Batch, failed: Iterable[int] = ()) -> None:
         """KVCM applied `sent` except the items at `failed` indexes, which go back in front."""
         if not len(sent):
             return
         bad = np.zeros(len(sent), np.bool_)
-        failed_idx = sorted(set(failed))
-        bad[failed_idx] = True
-        keys, pubs = sent.keys, sent.publish
-        pos = sent.pos if sent.epoch == self._t.epoch else None
-        if pos is None:  # compacted while in flight: look the keys up again
-            pos = self._find(keys, insert=True)
-        ok = ~bad
-        p_ok = pos[ok]
-        self._nacked += int(pubs[ok].sum()) - int(self._acked[p_ok].sum())
-        self._acked[p_ok] = pubs[ok]
-        # Keys that changed again while in flight stay dirty.
-        moved = p_ok[self._published(self._masks[p_ok]) != pubs[ok]]
-        self._mark_dirty(moved)
-        if failed_idx:
-            self.requeue_front(keys[failed_idx])
+        bad[sorted(set(failed))] = True
+        meds = sent.mediums
+        for m in np.unique(meds).tolist():
+            t = self._tier(m)
+            sel = meds == m
+            fresh = sent.pos is not None and sent.epochs.get(m) == t.t.epoch
+            pos = sent.pos[sel] if fresh and sent.pos is not None else None
+            t.confirm(sent.keys[sel], sent.publish[sel], pos, bad[sel])
 
-    def requeue_front(self, keys: np.ndarray) -> None:
-        self._mark_dirty(self._find(keys, insert=True), front=True)
+    def requeue_front(self, keys: np.ndarray, medium: int = 0) -> None:
+        t = self._tier(medium)
+        t.mark_dirty(t.find(keys, insert=True), front=True)
 
-    def commit_snapshot(self, sent: np.ndarray) -> None:
-        """KVCM now holds exactly `sent` (distinct keys); whatever changed since is dirty."""
-        n = self._n
-        self._acked[:n] = False
-        if len(sent):
-            pos = self._find(sent, insert=True)
-            self._acked[pos] = True
-        n = self._n
-        self._nacked = len(sent)
-        self._queued[:n] = False
-        self._queue, self._ndirty = [], 0
-        self._mark_dirty(np.flatnonzero(self._published(self._masks[:n]) != self._acked[:n]))
+    def commit_snapshot(self, sent: np.ndarray, mediums: np.ndarray | None = None) -> None:
+        """KVCM now holds exactly `sent` (distinct (key, medium)s); whatever changed since is
+        dirty."""
+        meds = np.zeros(len(sent), np.uint8) if mediums is None else mediums
+        for t in list(self._tiers):
+            t.commit_snapshot(sent[meds == t.medium])
+        for m in set(np.unique(meds).tolist()) - set(range(len(self._tiers))):
+            self._tier(m).commit_snapshot(sent[meds == m])
+        for t in self._tiers:
+            t.mark_differing()
 
     def forget_acked(self) -> None:
         """KVCM dropped everything of this reporter (HOST_DOWN, tombstone)."""
-        n = self._n
-        self._acked[:n] = False
-        self._nacked = 0
-        self._mark_dirty(np.flatnonzero(self._published(self._masks[:n])))
+        for t in self._tiers:
+            t.forget_acked()
 
     def in_sync(self) -> bool:
         return self._ndirty == 0 and self.published_count == self._nacked

@@ -1,9 +1,10 @@
 """The publisher: registration, deltas, KVCM snapshots, heartbeats and engine death, as steps.
 
-Imports: stdlib, numpy, kvcm_client, key_state, engine_sync, shm_ring. Each `*_step()` does one
-unit of work and returns; the daemon's loops call them and tests drive them directly. At most one
-data request (register, snapshot, delta, host-down) is in flight, because only `data_step` sends
-them; heartbeats go on their own schedule through `heartbeat_step`.
+Imports: stdlib, numpy, kvcm_client, key_state, source.base (never a ring or a socket: the
+source gives identity, incarnation, liveness, lag and drop counters and sync state). Each
+`*_step()` does one unit of work and returns; the daemon's loops call them and tests drive them
+directly. At most one data request (register, snapshot, delta, host-down) is in flight, because
+only `data_step` sends them; heartbeats go on their own schedule through `heartbeat_step`.
 """
 
 from __future__ import annotations
@@ -20,16 +21,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_hook.descriptor import Descriptor
 from sidecar.config import Config
-from sidecar.engine_sync import EngineSync, Sync
 from sidecar.key_state import KeyState
 from sidecar.kvcm_client import wire as W
 from sidecar.kvcm_client.client import Action, KvcmClient, Result
-from sidecar.shm_ring import layout as L
-from sidecar.shm_ring.segment import pid_alive, pid_namespace
+from sidecar.source.base import Identity, Source, SourceRejected, Watch
 
 log = logging.getLogger(__name__)
+# Failures after the request may have reached KVCM: it may still apply them (docs/wire.md).
+AMBIGUOUS = frozenset({"timeout", "transport"})
 
 
 class State(enum.IntEnum):
@@ -70,15 +70,15 @@ class Publisher:
         self,
         cfg: Config,
         client: KvcmClient,
-        sync: EngineSync,
+        source: Source,
         *,
         clock: Callable[[], float] = time.monotonic,
         on_request: Callable[[str, Result], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.client = client
-        self.sync = sync
-        self.keys: KeyState = sync.keys
+        self.source = source
+        self.keys: KeyState = source.keys
         self.clock = clock
         self.on_request = on_request
         self.on_reregister: Callable[[], None] | None = None  # wakes the data loop
@@ -86,14 +86,12 @@ class Publisher:
         self.host_ip_port = cfg.host_ip_port()
         self.state = State.STARTING
         self.reason = "waiting for the engine to attach"
-        self.descriptor: Descriptor | None = None
+        self.identity: Identity | None = None
         self.registered = False
         self.ever_registered = False
         self.need_snapshot = False
         self.engine_down = False
         self.host_down_pending = False
-        self.dead_boot_id = 0
-        self.stale_checks = 0
         self.stopping = False
         self.backoff = Backoff(
             cfg.report.backoff_base_s, cfg.report.backoff_cap_s, cfg.report.retry_after_cap_s
@@ -121,7 +119,7 @@ class Publisher:
         self._n += 1
         return (
             f"kvcm-sidecar-{self.cfg.identity.dp_rank}-{self.epoch:08x}-"
-            f"{self.sync.boot_id:016x}-{op}-{self._n}"
+            f"{self.source.incarnation:016x}-{op}-{self._n}"
         )
 
     def system_status(self) -> dict[str, str]:
@@ -129,11 +127,11 @@ class Publisher:
             "engine": "kvcm-sidecar",
             "dp_rank": str(self.cfg.identity.dp_rank),
             "epoch": f"{self.epoch:08x}",
-            "engine_incarnation": f"{self.sync.boot_id:016x}",
-            "last_seq": str(self.sync.last_seq),
+            "engine_incarnation": f"{self.source.incarnation:016x}",
+            "last_seq": str(self.source.last_seq),
             "published": str(self.keys.published_count),
-            "ring_lag": str(self.sync.reader.lag()),
-            "dropped": str(self.sync.dropped_total),
+            "ring_lag": str(self.source.lag()),
+            "dropped": str(self.source.dropped_total),
             "state": self.state.name,
         }
 
@@ -156,16 +154,22 @@ class Publisher:
             self.last_success[op] = time.time()
         return result
 
-    def _spec(self) -> W.Spec:
-        d = self.descriptor
+    def _specs(self) -> list[W.Spec]:
+        """One spec per medium of the table (its URI may name the medium)."""
+        d = self.identity
         assert d is not None
-        uri = self.cfg.identity.uri_template.format(
-            host_ip_port=self.host_ip_port,
-            medium=d.medium,
-            block_bytes=d.block_bytes(),
-            dp_rank=self.cfg.identity.dp_rank,
-        )
-        return W.Spec(self.cfg.identity.spec_name, uri)
+        return [
+            W.Spec(
+                self.cfg.identity.spec_name,
+                self.cfg.identity.uri_template.format(
+                    host_ip_port=self.host_ip_port,
+                    medium=medium,
+                    block_bytes=d.block_bytes,
+                    dp_rank=self.cfg.identity.dp_rank,
+                ),
+            )
+            for medium in d.mediums
+        ]
 
     def _fail(self, op: str, result: Result) -> None:
         """Apply the one action the client classified this outcome as."""
@@ -204,62 +208,31 @@ class Publisher:
         if result.response is not None and result.response.snapshot_required:
             self.need_snapshot = True
 
-    # ---- engine descriptor and watch -------------------------------------------------------
-    def load_descriptor(self) -> bool:
-        raw = self.sync.reader.seg.read_descriptor()
-        if not raw:
-            return False
+    # ---- engine identity and watch --------------------------------------------------------
+    def load_identity(self) -> bool:
         try:
-            d = Descriptor.from_json(raw)
-        except (ValueError, TypeError) as exc:
-            self.set_state(State.CIRCUIT_OPEN, f"engine descriptor unreadable: {exc}")
+            ident = self.source.identity()
+        except SourceRejected as exc:
+            self.set_state(State.CIRCUIT_OPEN, str(exc))
             return False
-        if d.instance_id != self.cfg.identity.instance_id or d.dp_rank != self.cfg.identity.dp_rank:
-            self.set_state(
-                State.CIRCUIT_OPEN,
-                f"engine is instance {d.instance_id!r} dp_rank "
-                f"{d.dp_rank}, this sidecar is {self.cfg.identity.instance_id!r} "
-                f"dp_rank {self.cfg.identity.dp_rank}",
-            )
+        if ident is None:
             return False
-        self.descriptor = d
-        self.keys.set_required(d.required_groups)
+        self.identity = ident
         return True
 
     def watch_step(self) -> None:
-        """Engine liveness: pid (same pid namespace), liveness stamp, clean close."""
-        reader = self.sync.reader
-        inc = reader.read_incarnation()
-        if inc is None:
-            return
-        closed = reader.producer_state() == L.PRODUCER_CLOSED
-        gone = inc.pidns == pid_namespace() and not pid_alive(inc.pid)
-        age_s = (time.monotonic_ns() - reader.producer_liveness_ns()) / 1e9
-        stale = age_s > self.cfg.engine.stale_after_s
-        if self.engine_down:
-            healthy = not closed and not gone and not stale
-            new_engine = inc.boot_id != self.dead_boot_id
-            if healthy and (new_engine or reader.producer_state() == L.PRODUCER_ATTACHED):
-                # A new incarnation, or the same engine fresh again after a stall: the drain
-                # loop kept the engine view exact either way, so register again and resnapshot.
-                log.info("engine back boot_id=%x new=%s", inc.boot_id, new_engine)
-                self.engine_down = False
-                self.stale_checks = 0
-                self.descriptor = None
-                self.registered = False
-                self.need_snapshot = True
-            return
-        if closed or gone or stale:
-            self.stale_checks += 1
-        else:
-            self.stale_checks = 0
-        if closed or self.stale_checks >= self.cfg.engine.dead_after_checks:
-            why = "closed" if closed else "pid gone" if gone else f"stale {age_s:.1f}s"
-            log.warning("engine down boot_id=%x reason=%s", inc.boot_id, why)
+        """Engine liveness, judged by the source; acted on here."""
+        w = self.source.watch(self.engine_down)
+        if w.event is Watch.BACK and self.engine_down:
+            # A new incarnation, or the same engine healthy again: register again, resnapshot.
+            self.engine_down = False
+            self.identity = None
+            self.registered = False
+            self.need_snapshot = True
+        elif w.event is Watch.DOWN and not self.engine_down:
             self.engine_down = True
-            self.dead_boot_id = inc.boot_id
             self.host_down_pending = self.registered
-            self.set_state(State.ENGINE_DOWN, f"engine {why}")
+            self.set_state(State.ENGINE_DOWN, f"engine {w.why}")
 
     def next_wakeup_s(self) -> float:
         """How long the data loop may sleep when there is no new work: until the next timer."""
@@ -288,13 +261,15 @@ class Publisher:
             return False
         if now < self.retry_at:
             return False
-        if self.descriptor is None and not self.load_descriptor():
+        if self.identity is None and not self.load_identity():
             return False
+        if self.source.take_forget():
+            self.need_snapshot = True  # the source lost the engine's truth: KVCM must forget
         if not self.registered:
             await self.register()
             return True
-        if self.sync.status is not Sync.SYNCED:
-            self.set_state(State.RESYNCING, "waiting for the engine snapshot")
+        if not self.source.synced:
+            self.set_state(State.RESYNCING, f"source {self.source.sync_state}")
             return False
         due = now - self.last_snapshot_at >= self.cfg.report.periodic_snapshot_s
         if (self.need_snapshot or due) and now >= self.snapshot_not_before:
@@ -307,16 +282,16 @@ class Publisher:
         return False
 
     async def register(self) -> None:
-        d = self.descriptor
+        d = self.identity
         assert d is not None
         self.set_state(State.REGISTERING, "registering with KVCM")
-        spec = self._spec()
+        spec = self._specs()[0]
         req = W.RegisterInstanceRequest(
             self.trace_id("register"),
             self.cfg.manager.instance_group,
             d.instance_id,
             d.block_size_tokens,
-            [W.LocationSpecInfo(spec.name, d.block_bytes())],
+            [W.LocationSpecInfo(spec.name, d.block_bytes)],
             W.ModelDeployment(d.model_name, d.dtype, d.use_mla, d.tp_size, d.dp_size, d.pp_size),
             [W.LocationSpecGroup("default", [spec.name])],
         )
@@ -326,7 +301,8 @@ class Publisher:
             self._fail("register", result)
             return
         payload = self._envelope(
-            "node_register", [W.ev_register([d.medium]), W.ev_heartbeat(self.system_status())]
+            "node_register",
+            [W.ev_register(list(d.mediums)), W.ev_heartbeat(self.system_status())],
         )
         result = await self._send("reportEvent", "node_register", payload, timeout)
         if not result.ok:
@@ -339,11 +315,13 @@ class Publisher:
         self.heartbeat_ok_at = self.clock()
 
     async def send_snapshot(self) -> None:
-        d = self.descriptor
+        d = self.identity
         assert d is not None
         self.set_state(State.RESYNCING, "sending the authoritative snapshot")
-        keys = self.keys.published_keys()
-        payload = W.encode_snapshot(*self._reporter("snapshot"), keys, d.medium, self._spec())
+        keys, mediums = self.keys.published()
+        payload = W.encode_snapshot(
+            *self._reporter("snapshot"), keys, d.mediums, self._specs(), mediums
+        )
         self.counters["snapshot_keys"] += len(keys)
         self.counters["snapshot_bytes"] += len(payload)
         result = await self._send(
@@ -364,14 +342,14 @@ class Publisher:
             self._fail("snapshot", result)
             return
         self._ok(result)
-        self.keys.commit_snapshot(keys)
+        self.keys.commit_snapshot(keys, mediums)
         self.need_snapshot = False
         self.last_snapshot_at = self.clock()
         self.counters["snapshots_committed"] += 1
         self.set_state(State.READY, "snapshot committed")
 
     async def send_deltas(self) -> None:
-        d = self.descriptor
+        d = self.identity
         assert d is not None
         batch = self.keys.take_batch(self.cfg.report.batch_max_keys)
         if not len(batch):
@@ -380,8 +358,10 @@ class Publisher:
             *self._reporter("delta"),
             batch.adds,  # adds first, then deletes: item_results indexes map back to batch
             batch.deletes,
-            d.medium,
-            self._spec(),
+            d.mediums,
+            self._specs(),
+            batch.add_mediums,
+            batch.delete_mediums,
         )
         result = await self._send(
             "reportEvent", "delta", payload, self.cfg.manager.request_timeout_s
@@ -398,6 +378,16 @@ class Publisher:
             self.counters["partial_failures"] += 1
         else:
             self.keys.confirm(batch, range(len(batch)))
+        if result.reason in AMBIGUOUS:
+            # KVCM may have this request and apply it after its retry (requests carry no order),
+            # leaving an older state of these keys last. An authoritative snapshot, sent once
+            # such a straggler has had time to land, puts KVCM back on the truth; deltas go on.
+            self.counters["ambiguous_deltas"] += 1
+            self.need_snapshot = True
+            self.snapshot_not_before = max(
+                self.snapshot_not_before,
+                self.clock() + self.cfg.report.ambiguous_snapshot_delay_s,
+            )
         self._fail("delta", result)
 
     async def host_down(self, budget_s: float) -> bool:
@@ -461,8 +451,9 @@ class Publisher:
             "state_code": int(self.state),
             "reason": self.reason,
             "epoch": f"{self.epoch:08x}",
-            "engine_incarnation": f"{self.sync.boot_id:016x}",
-            "engine_sync": self.sync.status.value,
+            "engine_incarnation": f"{self.source.incarnation:016x}",
+            "engine_sync": self.source.sync_state,
+            "source": self.source.kind,
             "host_ip_port": self.host_ip_port,
             "instance_id": self.cfg.identity.instance_id,
             "dp_rank": self.cfg.identity.dp_rank,
@@ -470,10 +461,11 @@ class Publisher:
             "published": self.keys.published_count,
             "acked": len(self.keys.acked),
             "dirty": len(self.keys.dirty),
-            "ring_lag": self.sync.reader.lag(),
-            "dropped": self.sync.dropped_total,
-            "last_seq": self.sync.last_seq,
-            "resyncs": dict(self.sync.resyncs),
+            "ring_lag": self.source.lag(),
+            "dropped": self.source.dropped_total,
+            "last_seq": self.source.last_seq,
+            "resyncs": dict(self.source.resyncs),
+            **self.source.status(),
             "last_success": dict(self.last_success),
             "pid": os.getpid(),
         }

@@ -97,6 +97,16 @@ def main(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     try:
         doc = fetch(url)
     except (urllib.error.URLError, OSError, ValueError):
+        if cfg.source.kind == "zmq":
+            doc = {
+                "state": "DAEMON_DOWN",
+                "reason": f"no /status at {url} (source zmq: no ring to read)",
+                "source": "zmq",
+            }
+            sys.stdout.write(
+                json.dumps(doc, indent=2, sort_keys=True) + "\n" if args.json else render(doc)
+            )
+            return 1
         name = cfg.ring.name or L.segment_name(cfg.identity.instance_id, cfg.identity.dp_rank)
         try:
             doc = ring_summary(name)

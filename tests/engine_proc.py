@@ -8,6 +8,8 @@ one JSON result line when done. Modes:
   cache     the reference BlockCache (answers snapshots with its provider) under commands
   plain     the README's integration: attach() + stored()/removed()/cleared(), no provider, so
             snapshots come from the hook's own resident set; same commands as `cache`
+  tiers     attach() with mediums hbm, mem, disk: random stored/removed per (key, medium),
+            snapshots from the resident set; commands work / exit; replies the (key, medium) truth
 """
 
 from __future__ import annotations
@@ -205,6 +207,9 @@ def plain(a: dict[str, Any]) -> None:
                     gone = rng.sample(sorted(held), min(len(held), rng.randrange(1, 4)))
                     hook.removed(np.array(gone, np.int64) if len(gone) > 1 else gone[0])
                     held.difference_update(gone)
+        elif op in ("store", "remove"):  # exact keys, for tests that need a given history
+            (hook.stored if op == "store" else hook.removed)(cmd["keys"])
+            (held.update if op == "store" else held.difference_update)(cmd["keys"])
         elif op == "flood":
             # The issue's shape: one big stored(ndarray) burst (>= 10x the ring), then half of
             # all held keys removed, in one flush.
@@ -224,6 +229,41 @@ def plain(a: dict[str, Any]) -> None:
         _emit({"published": sorted(held), "stats": hook.stats()})
 
 
+def tiers(a: dict[str, Any]) -> None:
+    """Keys per (key, medium) through the ring: `stored(keys, medium=...)` on three tiers."""
+    import engine_hook
+
+    mediums = ("hbm", "mem", "disk")
+    hook = engine_hook.attach(
+        strict=True,
+        instance_id=a["instance_id"],
+        ring_name=a["ring"],
+        ring_capacity_slots=a.get("capacity", 0),
+        medium="hbm",
+        mediums=mediums,
+        max_stage_delay_ms=2.0,
+    )
+    rng = random.Random(a.get("seed", 0))
+    held: set[tuple[int, str]] = set()
+    _emit({"ready": True, "boot_id": hook.stats()["boot_id"]})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "exit":
+            hook.close()
+            _emit({"bye": True})
+            return
+        for _ in range(cmd["n"]):
+            k, m = rng.randrange(500), rng.choice(mediums)
+            if rng.random() < 0.6:
+                hook.stored(k, medium=None if m == "hbm" else m)
+                held.add((k, m))
+            else:
+                hook.removed(k, medium=m)
+                held.discard((k, m))
+        hook.flush(wait=True)
+        _emit({"held": sorted(held), "stats": hook.stats()})
+
+
 if __name__ == "__main__":
     modes = {
         "burst": burst,
@@ -231,5 +271,6 @@ if __name__ == "__main__":
         "workload": workload,
         "cache": cache,
         "plain": plain,
+        "tiers": tiers,
     }
     modes[sys.argv[1]](json.loads(sys.argv[2]))

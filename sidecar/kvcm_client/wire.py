@@ -8,6 +8,7 @@ numbers, codes names or numbers, unknown fields ignored. `docs/wire.md` document
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -269,6 +270,48 @@ def _envelope_head(trace_id: str, instance_id: str, host_ip_port: str, storage_t
     return text[: -len(b"]}")]
 
 
+Mediums = str | Sequence[str]
+Specs = Spec | Sequence[Spec]
+
+
+def _runs(
+    rows_of: Callable[[str, Spec], _Rows],
+    keys: np.ndarray | list[int],
+    medium: Mediums,
+    spec: Specs,
+    idx: np.ndarray | None,
+) -> list[tuple[_Rows, np.ndarray]]:
+    """One (rows, keys) part per run of equal medium index (one fixed-width row each)."""
+    k = _as_keys(keys)
+    if isinstance(medium, str):
+        assert isinstance(spec, Spec)
+        return [(rows_of(medium, spec), k)]
+    specs = [spec] * len(medium) if isinstance(spec, Spec) else list(spec)
+    if idx is None:
+        idx = np.zeros(len(k), np.uint8)
+    if not len(k):
+        return []
+    cut = np.flatnonzero(idx[1:] != idx[:-1]) + 1
+    starts = [0, *cut.tolist()]
+    ends = [*cut.tolist(), len(k)]
+    return [
+        (rows_of(medium[int(idx[a])], specs[int(idx[a])]), k[a:b])
+        for a, b in zip(starts, ends, strict=True)
+    ]
+
+
+def _add_rows(medium: str, spec: Spec) -> _Rows:
+    return _delta_rows(medium, spec.name, spec.uri)[0]
+
+
+def _delete_rows(medium: str, spec: Spec) -> _Rows:
+    return _delta_rows(medium, spec.name, spec.uri)[1]
+
+
+def _snap_rows(medium: str, spec: Spec) -> _Rows:
+    return _snapshot_rows(medium, spec.name, spec.uri)[1]
+
+
 def encode_deltas(
     trace_id: str,
     instance_id: str,
@@ -276,13 +319,20 @@ def encode_deltas(
     storage_type: str,
     adds: np.ndarray | list[int],
     deletes: np.ndarray | list[int],
-    medium: str,
-    spec: Spec,
+    medium: Mediums,
+    spec: Specs,
+    add_mediums: np.ndarray | None = None,
+    delete_mediums: np.ndarray | None = None,
 ) -> memoryview:
-    """A reportEvent with one BLOCK_ADD per key in `adds` and one BLOCK_DELETE per `deletes`."""
-    add_rows, delete_rows = _delta_rows(medium, spec.name, spec.uri)
+    """A reportEvent with one BLOCK_ADD per key in `adds` and one BLOCK_DELETE per `deletes`.
+
+    `medium` is one name for every key, or the medium table: then `add_mediums` /
+    `delete_mediums` give each key's index into it (and `spec` may be one Spec per medium, its
+    URI naming the medium). Items keep the given order: adds, then deletes.
+    """
     head = _envelope_head(trace_id, instance_id, host_ip_port, storage_type)
-    parts = [(add_rows, _as_keys(adds)), (delete_rows, _as_keys(deletes))]
+    parts = _runs(_add_rows, adds, medium, spec, add_mediums)
+    parts += _runs(_delete_rows, deletes, medium, spec, delete_mediums)
     return _body(head, parts, b"]}")
 
 
@@ -292,10 +342,15 @@ def encode_snapshot(
     host_ip_port: str,
     storage_type: str,
     keys: np.ndarray | list[int],
-    medium: str,
-    spec: Spec,
+    medium: Mediums,
+    spec: Specs,
+    key_mediums: np.ndarray | None = None,
 ) -> memoryview:
-    """A reportEvent with one BLOCK_SNAPSHOT listing every key in `keys`."""
-    ev_head, rows, ev_tail = _snapshot_rows(medium, spec.name, spec.uri)
+    """A reportEvent with one BLOCK_SNAPSHOT listing every (key, medium) given (`medium` and
+    `spec` as for encode_deltas, `key_mediums` each key's medium index)."""
+    first_medium = medium if isinstance(medium, str) else (medium[0] if medium else "")
+    first_spec = spec if isinstance(spec, Spec) else spec[0]
+    ev_head, _rows, ev_tail = _snapshot_rows(first_medium, first_spec.name, first_spec.uri)
     head = _envelope_head(trace_id, instance_id, host_ip_port, storage_type)
-    return _body(head + ev_head, [(rows, _as_keys(keys))], ev_tail + b"]}")
+    parts = _runs(_snap_rows, keys, medium, spec, key_mediums)
+    return _body(head + ev_head, parts, ev_tail + b"]}")

@@ -444,6 +444,7 @@ class KvcmServer:
             # (per block, this held the loop ~70 ms for 8 k blocks, twice a second in the demo).
             seen: dict[tuple[Loc, int], tuple[bool, tuple[str, ...]]] = {}
             keys: list[str] = []
+            pairs: list[tuple[str, str]] = []  # (key, medium): one per visible location
             versions: set[str] = set()
             for k, locs in (st.blocks.get(r.instance_id) or KeyMap()).items():
                 for loc, specs in locs.items():
@@ -458,6 +459,7 @@ class KvcmServer:
                         hit = seen[(loc, id(specs))] = (vis, found)
                     if hit[0]:
                         keys.append(str(k))
+                        pairs.append((str(k), loc[1]))
                     versions.update(hit[1])
             out.append(
                 {
@@ -470,6 +472,7 @@ class KvcmServer:
                     "mediums": sorted(r.mediums),
                     "system_status": r.system_status,
                     "visible_keys": sorted(keys),
+                    "visible": sorted(pairs),
                     "heartbeat_times": list(r.heartbeat_times),
                     "stored_versions": sorted(versions),
                     "snapshot_requests": r.snapshot_requests,

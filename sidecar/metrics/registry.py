@@ -8,7 +8,7 @@ docs/operations.md and a test check against the registry.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -17,6 +17,8 @@ from prometheus_client.registry import Collector
 from sidecar.kvcm_client.client import Result
 from sidecar.publisher import Publisher, State
 from sidecar.shm_ring import layout as L
+from sidecar.source.ring import RingSource
+from sidecar.source.zmq import ZmqSource
 
 # name -> (type, help). Counters are listed without the _total suffix, as Prometheus families.
 METRICS: dict[str, tuple[str, str]] = {
@@ -39,6 +41,11 @@ METRICS: dict[str, tuple[str, str]] = {
     "kvcm_sidecar_heartbeat_failures": ("gauge", "Consecutive heartbeat failures."),
     "kvcm_sidecar_heartbeat_age_seconds": ("gauge", "Seconds since the last good heartbeat."),
     "kvcm_sidecar_snapshots_committed": ("counter", "Authoritative snapshots KVCM committed."),
+    "kvcm_sidecar_ambiguous_deltas": (
+        "counter",
+        "Deltas with no answer after sending (timeout, broken connection): KVCM may still apply"
+        " them after their retry, so a snapshot follows.",
+    ),
     "kvcm_sidecar_snapshot_keys": ("counter", "Keys sent in snapshots."),
     "kvcm_sidecar_snapshot_bytes": ("counter", "Request bytes sent in snapshots."),
     "kvcm_sidecar_snapshot_rate_limited": ("counter", "Snapshots answered SNAPSHOT_RATE_LIMITED."),
@@ -53,7 +60,65 @@ METRICS: dict[str, tuple[str, str]] = {
         "New engine incarnations seen on the ring (engine restarts).",
     ),
     "kvcm_sidecar_engine_anomalies": ("counter", "Ring records rejected as torn or foreign."),
+    "kvcm_sidecar_ring_unknown_medium_records": (
+        "counter",
+        "Ring records and snapshot entries dropped: medium index outside the medium table.",
+    ),
+    "kvcm_sidecar_zmq_batches": (
+        "counter",
+        "ZMQ event batches by outcome (applied, replayed, duplicate, dp_rank, malformed).",
+    ),
+    "kvcm_sidecar_zmq_events": ("counter", "ZMQ events applied, by type and KVCM medium."),
+    "kvcm_sidecar_zmq_block_events": ("counter", "Block hashes in the ZMQ events applied."),
+    "kvcm_sidecar_zmq_dropped_events": (
+        "counter",
+        "ZMQ events dropped, by reason (block_size, unknown_medium, unknown_event, ...).",
+    ),
+    "kvcm_sidecar_zmq_decode_errors": (
+        "counter",
+        "ZMQ frames or payloads that could not be read, by reason.",
+    ),
+    "kvcm_sidecar_zmq_gaps": ("counter", "ZMQ seq gaps (and damaged batches) seen live."),
+    "kvcm_sidecar_zmq_replays": (
+        "counter",
+        "ZMQ replays finished, by outcome (covered, uncovered, timeout, restart).",
+    ),
+    "kvcm_sidecar_zmq_forgets": (
+        "counter",
+        "Times the ZMQ source emptied its key state and made KVCM forget it, by reason.",
+    ),
+    "kvcm_sidecar_zmq_last_seq": ("gauge", "The last ZMQ batch seq applied (-1: none)."),
+    "kvcm_sidecar_zmq_seq_lag_batches": (
+        "gauge",
+        "ZMQ batches seen beyond the last one applied (waiting for a replay).",
+    ),
+    "kvcm_sidecar_zmq_held_blocks": (
+        "gauge",
+        "(key, medium, group)s with a positive store count.",
+    ),
+    "kvcm_sidecar_zmq_checkpoint_age_seconds": (
+        "gauge",
+        "Seconds since the checkpoint last matched the key state (-1: none yet).",
+    ),
+    "kvcm_sidecar_zmq_checkpoint_errors": (
+        "counter",
+        "Checkpoints not written or not loaded, by reason.",
+    ),
+    "kvcm_sidecar_zmq_health_failures": ("gauge", "Consecutive failed engine health probes."),
 }
+# Exported only with that source (source.kind); the rest always.
+RING_ONLY = frozenset(
+    {
+        "kvcm_sidecar_ring_capacity_slots",
+        "kvcm_sidecar_ring_lag_records",
+        "kvcm_sidecar_ring_accepted_records",
+        "kvcm_sidecar_ring_dropped_records",
+        "kvcm_sidecar_records_read",
+        "kvcm_sidecar_engine_anomalies",
+        "kvcm_sidecar_ring_unknown_medium_records",
+    }
+)
+ZMQ_ONLY = frozenset(name for name in METRICS if name.startswith("kvcm_sidecar_zmq_"))
 
 OUTCOMES = ("ok", "retry", "resnapshot", "reregister", "circuit_open")
 
@@ -108,7 +173,6 @@ class _PublisherCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         p = self.p
-        hdr = p.sync.reader.seg.hdr
 
         def gauge(name: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, METRICS[name][1], value=value)
@@ -131,15 +195,23 @@ class _PublisherCollector(Collector):
         for s in State:
             changes.add_metric([s.name], p.state_changes.get(s.name, 0))
         yield changes
-        yield gauge("kvcm_sidecar_ring_capacity_slots", p.sync.reader.capacity)
-        yield gauge("kvcm_sidecar_ring_lag_records", p.sync.reader.lag())
-        yield counter("kvcm_sidecar_ring_accepted_records", int(hdr[L.W_TAIL]))
-        yield counter("kvcm_sidecar_ring_dropped_records", int(hdr[L.W_DROPPED]))
-        yield counter("kvcm_sidecar_records_read", p.sync.reader.records_read)
+        src = p.source
+        if isinstance(src, RingSource):
+            reader = src.reader
+            hdr = reader.seg.hdr
+            yield gauge("kvcm_sidecar_ring_capacity_slots", reader.capacity)
+            yield gauge("kvcm_sidecar_ring_lag_records", reader.lag())
+            yield counter("kvcm_sidecar_ring_accepted_records", int(hdr[L.W_TAIL]))
+            yield counter("kvcm_sidecar_ring_dropped_records", int(hdr[L.W_DROPPED]))
+            yield counter("kvcm_sidecar_records_read", reader.records_read)
+            yield counter("kvcm_sidecar_engine_anomalies", src.sync.anomalies)
+            yield counter("kvcm_sidecar_ring_unknown_medium_records", src.sync.unknown_medium)
+        elif isinstance(src, ZmqSource):
+            yield from _zmq_families(src)
         resyncs = CounterMetricFamily(
             "kvcm_sidecar_resyncs", METRICS["kvcm_sidecar_resyncs"][1], labels=["reason"]
         )
-        for reason, n in sorted(p.sync.resyncs.items()):
+        for reason, n in sorted(src.resyncs.items()):
             resyncs.add_metric([reason], n)
         yield resyncs
         yield gauge("kvcm_sidecar_keys_published", p.keys.published_count)
@@ -160,6 +232,7 @@ class _PublisherCollector(Collector):
         age = p.clock() - p.heartbeat_ok_at if p.heartbeat_ok_at else -1.0
         yield gauge("kvcm_sidecar_heartbeat_age_seconds", age)
         yield counter("kvcm_sidecar_snapshots_committed", p.counters["snapshots_committed"])
+        yield counter("kvcm_sidecar_ambiguous_deltas", p.counters["ambiguous_deltas"])
         yield counter("kvcm_sidecar_snapshot_keys", p.counters["snapshot_keys"])
         yield counter("kvcm_sidecar_snapshot_bytes", p.counters["snapshot_bytes"])
         yield counter("kvcm_sidecar_snapshot_rate_limited", p.counters["snapshot_rate_limited"])
@@ -168,9 +241,51 @@ class _PublisherCollector(Collector):
             p.last_success.get("snapshot", 0.0),
         )
         yield counter("kvcm_sidecar_delta_keys", p.counters["delta_keys"])
-        alive = p.sync.boot_id != 0 and not p.engine_down
+        alive = src.incarnation != 0 and not p.engine_down
         yield gauge("kvcm_sidecar_engine_up", 1.0 if alive else 0.0)
         yield counter(
-            "kvcm_sidecar_engine_incarnation_changes", p.sync.resyncs.get("new_incarnation", 0)
+            "kvcm_sidecar_engine_incarnation_changes", src.resyncs.get("new_incarnation", 0)
         )
-        yield counter("kvcm_sidecar_engine_anomalies", p.sync.anomalies)
+
+
+def _labelled(
+    name: str, labels: list[str], rows: Iterable[tuple[tuple[str, ...], float]]
+) -> CounterMetricFamily:
+    fam = CounterMetricFamily(name, METRICS[name][1], labels=labels)
+    for values, n in sorted(rows):
+        fam.add_metric(list(values), n)
+    return fam
+
+
+def _by(name: str, label: str, counts: Mapping[str, int]) -> CounterMetricFamily:
+    return _labelled(name, [label], [((k,), n) for k, n in counts.items()])
+
+
+def _zmq_families(src: ZmqSource) -> Iterator[Metric]:
+    s = src.stream
+
+    def gauge(name: str, value: float) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, METRICS[name][1], value=value)
+
+    def counter(name: str, value: float) -> CounterMetricFamily:
+        return CounterMetricFamily(name, METRICS[name][1], value=value)
+
+    yield _by("kvcm_sidecar_zmq_batches", "outcome", s.batches)
+    dec = s.decoder
+    events: list[tuple[tuple[str, str], float]] = [(("AllBlocksCleared", "all"), dec.cleared)]
+    for mi, medium in enumerate(src.mediums):  # bounded: the medium table
+        events.append((("BlockStored", medium), int(s.events[2 * mi + 1])))
+        events.append((("BlockRemoved", medium), int(s.events[2 * mi])))
+    yield _labelled("kvcm_sidecar_zmq_events", ["type", "medium"], events)
+    yield counter("kvcm_sidecar_zmq_block_events", s.blocks)
+    yield _by("kvcm_sidecar_zmq_dropped_events", "reason", dec.drops)
+    yield _by("kvcm_sidecar_zmq_decode_errors", "reason", s.decode_errors)
+    yield counter("kvcm_sidecar_zmq_gaps", s.gaps)
+    yield _by("kvcm_sidecar_zmq_replays", "outcome", s.replays)
+    yield _by("kvcm_sidecar_zmq_forgets", "reason", s.forgets)
+    yield gauge("kvcm_sidecar_zmq_last_seq", s.last_seq)
+    yield gauge("kvcm_sidecar_zmq_seq_lag_batches", src.lag())
+    yield gauge("kvcm_sidecar_zmq_held_blocks", src.counts.held())
+    yield gauge("kvcm_sidecar_zmq_checkpoint_age_seconds", src.checkpoint_age_s())
+    yield _by("kvcm_sidecar_zmq_checkpoint_errors", "reason", src.ckpt_errors)
+    yield gauge("kvcm_sidecar_zmq_health_failures", src.health_failures)

@@ -56,6 +56,15 @@ class KeyTable:
         self.rebuild: _Rebuild | None = None
         self.on_move: Callable[[Mover], None] | None = None  # owners holding positions
 
+    def add_column(self, name: str, dtype: type, live: bool = True) -> np.ndarray:
+        """A new zeroed column (also in a re-index under way); `live`: nonzero keeps a key."""
+        self.cols[name] = np.zeros(len(self.cols[next(iter(self.cols))]), dtype)
+        if self.rebuild is not None:
+            self.rebuild.cols[name] = np.zeros(len(self.rebuild.idx.keys), dtype)
+        if live:
+            self.live_columns = (*self.live_columns, name)
+        return self.cols[name]
+
     @property
     def n(self) -> int:
         return self.idx.n

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -121,10 +123,14 @@ async def test_daemon_kvcm_503_for_a_while_converges(h: Harness) -> None:
 
 
 async def test_daemon_request_timeouts_converge(h: Harness) -> None:
+    """A timed-out delta is still applied by the server after its retry (a straggler carrying
+    older state); the sidecar treats the outcome as unknown and re-snapshots."""
     await h.start_converged(100)
     await h.faults(routes={"reportEvent": {"delay_ms": 800, "count": 4}})
     h.engine_cmd(op="work", n=200)
     await h.converge()
+    m = await h.metrics()
+    assert _metric(m, "kvcm_sidecar_ambiguous_deltas_total") >= 1
 
 
 async def test_daemon_kvcm_restart_converges(h: Harness) -> None:
@@ -307,3 +313,66 @@ async def test_daemon_started_before_engine_waits_then_converges(h: Harness) -> 
     await h.converge()
     assert (await h.status())["state"] == "READY"
     assert side.p.poll() is None
+
+
+async def test_e2e_ring_mediums_kvcm_holds_each_key_per_medium(h: Harness) -> None:
+    """The ring carries each record's medium index; KVCM's (key, medium) pairs == the engine's,
+    also after the sidecar restarts and resyncs from the engine's snapshot (medium column)."""
+    from tests.proc import EngineProc
+
+    async def pairs() -> set[tuple[int, str]]:
+        r = await h.reporter()
+        return {(int(k), m) for k, m in r["visible"]} if r else set()
+
+    async def converge(want: set[tuple[int, str]]) -> None:
+        deadline = time.monotonic() + 20
+        while (seen := await pairs()) != want:
+            assert time.monotonic() < deadline, (len(want - seen), len(seen - want))
+            await asyncio.sleep(0.02)  # polling another process's state, bounded by deadline
+
+    eng = EngineProc("tiers", {"ring": h.ring, "instance_id": h.instance_id, "seed": 3})
+    try:
+        eng.recv()
+        side = h.start_sidecar()
+        eng.send(json.dumps({"op": "work", "n": 3000}))
+        held = {(k, m) for k, m in eng.recv()["held"]}
+        assert {m for _, m in held} == {"hbm", "mem", "disk"}
+        await converge(held)
+        side.kill()  # the restarted sidecar resyncs from the hook's resident set
+        eng.send(json.dumps({"op": "work", "n": 500}))
+        held = {(k, m) for k, m in eng.recv()["held"]}
+        h.start_sidecar()
+        await converge(held)
+        r = await h.reporter()
+        assert r is not None and set(r["mediums"]) >= {"hbm", "mem", "disk"}
+    finally:
+        eng.close()
+
+
+async def test_daemon_straggling_delta_is_corrected_by_a_snapshot(tmp_path: Path) -> None:
+    """KVCM applies a timed-out DELETE after its retry and after the key was stored again (an
+    older state landing last). The sidecar counted the delta as ambiguous, and its reconciling
+    snapshot, sent after report.ambiguous_snapshot_delay_s, restores the key."""
+    h = Harness(tmp_path, settings={"report.ambiguous_snapshot_delay_s": "2.5"})
+    h.engine_mode = "plain"
+    await h.start_server()
+    try:
+        h.start_engine()
+        h.start_sidecar()
+        h.engine_cmd(op="store", keys=[1, 2, 3])
+        await h.converge()
+        before = (await h.reporter_until(lambda r: r["snapshot_commits"] >= 1))["snapshot_commits"]
+        # The next DELETE is held 1.5 s: the sidecar (request timeout 0.5 s) retries it first.
+        hold = {"event": "EVENT_BLOCK_DELETE", "count": 1, "delay_ms": 1500}
+        await h.faults(routes={"reportEvent": hold})
+        h.engine_cmd(op="remove", keys=[2])
+        await h.converge()  # the retry took effect
+        h.engine_cmd(op="store", keys=[2])
+        await h.converge()  # 2 is back in KVCM ... until the held DELETE lands
+        await h.reporter_until(lambda r: r["snapshot_commits"] > before, within_s=15)
+        await h.converge()
+        assert await h.visible() == {1, 2, 3}
+        m = await h.metrics()
+        assert _metric(m, "kvcm_sidecar_ambiguous_deltas_total") >= 1
+    finally:
+        await h.close()

@@ -39,3 +39,24 @@ def test_demo_two_ranks_converges_and_exits_0() -> None:
     assert m is not None, out.stdout[-3000:]
     kvcm_hit, rr_hit = int(m[1]), int(m[2])
     assert kvcm_hit >= 1.25 * rr_hit and m[5] == "yes", out.stdout[-3000:]
+
+
+def test_demo_source_zmq_converges_after_a_gap_and_a_sidecar_restart() -> None:
+    """`demo --source zmq`: vLLM-format engines (int hashes, 32-byte digests; GPU and CPU)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "demo", "--source", "zmq", "--duration", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "every rank converged" in out.stdout
+    assert "fault: rank 0's engine drops 20 batches" in out.stdout
+    assert "fault: SIGKILL the sidecar of rank 1" in out.stdout
+    rows = re.findall(
+        r"^\s+(\d) +(int|bytes) +(\d+) +(\d+) +(\d+) +(\d+) .* yes$", out.stdout, re.M
+    )
+    assert [(r[0], r[1]) for r in rows] == [("0", "int"), ("1", "bytes")], out.stdout[-3000:]
+    for _rank, _kind, truth, kvcm, hbm, mem in rows:
+        assert truth == kvcm and int(hbm) > 0 and int(mem) > 0  # two mediums on each rank

@@ -82,6 +82,31 @@ BAD = [
     ({"KV_CACHE_EVENT_REPORT_BATCH_MAX_KEYS": "0"}, "report.batch_max_keys"),
     ({"KV_CACHE_EVENT_METRICS_ADDR": "nowhere"}, "http.metrics_addr"),
     ({"KV_CACHE_EVENT_HOST_IP_PORT": "a#b:1"}, "identity.host_ip_port"),
+    ({"KV_CACHE_EVENT_SOURCE": "kafka"}, "source.kind"),
+    ({"KV_CACHE_EVENT_SOURCE": "zmq"}, "source.zmq.endpoint"),
+    (
+        {"KV_CACHE_EVENT_SOURCE": "zmq", "KV_CACHE_EVENT_ZMQ_ENDPOINT": "udp://h:1"},
+        "source.zmq.endpoint",
+    ),
+    ({"KV_CACHE_EVENT_ZMQ_BIND": "maybe"}, "source.zmq.bind"),
+    ({"KV_CACHE_EVENT_ZMQ_ENGINE": "trt"}, "source.zmq.engine"),
+    ({"KV_CACHE_EVENT_ZMQ_BLOCK_SIZE": "0"}, "source.zmq.block_size"),
+    (
+        {
+            "KV_CACHE_EVENT_SOURCE": "zmq",
+            "KV_CACHE_EVENT_ZMQ_ENDPOINT": "tcp://*:5557",
+            "KV_CACHE_EVENT_ZMQ_MEDIUM_MAP": "GPU=hbm,CPU",
+        },
+        "source.zmq.medium_map",
+    ),
+    (
+        {
+            "KV_CACHE_EVENT_SOURCE": "zmq",
+            "KV_CACHE_EVENT_ZMQ_ENDPOINT": "tcp://*:5557",
+            "KV_CACHE_EVENT_ZMQ_HEALTH_URL": "localhost:8000",
+        },
+        "source.zmq.health_url",
+    ),
 ]
 
 
@@ -131,3 +156,35 @@ def test_cli_check_config_prints_effective_config() -> None:
 def test_config_unknown_set_field_is_error() -> None:
     with pytest.raises(C.ConfigError, match=r"report\.nope"):
         C.load(env=GOOD, overrides={"report.nope": "1"})
+
+
+def test_config_zmq_public_env_names_are_exact() -> None:
+    env = {
+        **GOOD,
+        "KV_CACHE_EVENT_SOURCE": "zmq",
+        "KV_CACHE_EVENT_ZMQ_ENDPOINT": "tcp://*:5557",
+        "KV_CACHE_EVENT_ZMQ_REPLAY_ENDPOINT": "tcp://*:5558",
+        "KV_CACHE_EVENT_ZMQ_BIND": "",  # unset: infer
+        "KV_CACHE_EVENT_ZMQ_TOPIC": "kv@",
+        "KV_CACHE_EVENT_ZMQ_ENGINE": "SGLang",
+        "KV_CACHE_EVENT_ZMQ_BLOCK_SIZE": "32",
+        "KV_CACHE_EVENT_ZMQ_MODEL_NAME": "qwen",
+        "KV_CACHE_EVENT_ZMQ_HEALTH_URL": "http://127.0.0.1:8000/health",
+        "KV_CACHE_EVENT_STATE_DIR": "/tmp/kvcm-state",
+    }
+    z = C.load(env=env).source
+    assert (z.kind, z.state_dir) == ("zmq", "/tmp/kvcm-state")
+    assert (z.zmq.endpoint, z.zmq.replay_endpoint, z.zmq.bind) == (
+        "tcp://*:5557",
+        "tcp://*:5558",
+        None,
+    )
+    assert (z.zmq.topic, z.zmq.engine, z.zmq.block_size, z.zmq.model_name) == (
+        "kv@",
+        "sglang",
+        32,
+        "qwen",
+    )
+    assert z.zmq.health_url == "http://127.0.0.1:8000/health"
+    over = C.load(env=env, overrides={"source.zmq.bind": "true"}).source.zmq
+    assert over.bind is True

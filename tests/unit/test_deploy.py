@@ -71,15 +71,44 @@ def test_systemd_unit_stop_timeout_above_drain_grace() -> None:
     assert "Restart=on-failure" in text and "NoNewPrivileges=yes" in text
 
 
-def _manifests() -> list[dict[str, Any]]:
-    docs = yaml.safe_load_all((DEPLOY / "k8s" / "engine-with-kvcm-sidecar.yaml").read_text())
+def _manifests(name: str = "engine-with-kvcm-sidecar.yaml") -> list[dict[str, Any]]:
+    docs = yaml.safe_load_all((DEPLOY / "k8s" / name).read_text())
     return [d for d in docs if d]
 
 
 @pytest.mark.parametrize("version", ["1.30", "1.33"])
-def test_k8s_manifest_validates_against_schema(version: str) -> None:
-    for doc in _manifests():
+@pytest.mark.parametrize("name", ["engine-with-kvcm-sidecar.yaml", "vllm-with-kvcm-sidecar.yaml"])
+def test_k8s_manifest_validates_against_schema(version: str, name: str) -> None:
+    for doc in _manifests(name):
         kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_k8s_vllm_manifest_config_is_valid_and_matches_the_engine() -> None:
+    """The sidecar's env loads (exit-2 rules) and names the ports vLLM's config opens."""
+    from sidecar import config as C
+
+    (dep,) = _manifests("vllm-with-kvcm-sidecar.yaml")
+    spec = dep["spec"]["template"]["spec"]
+    (side,) = spec["initContainers"]
+    assert side["restartPolicy"] == "Always"
+    env = {e["name"]: e.get("value", "") for e in side["env"]}
+    env["KV_CACHE_EVENT_HOST_IP_PORT"] = "10.0.0.5:8000"  # what $(POD_IP) expands to
+    cfg = C.load(env=env)
+    assert cfg.source.kind == "zmq" and cfg.source.state_dir.startswith("/dev/shm/")
+    (vllm,) = spec["containers"]
+    flag = next(a for a in vllm["args"] if a.startswith("--kv-events-config="))
+    kv = json.loads(flag.split("=", 1)[1])
+    assert kv["enable_kv_cache_events"] and kv["publisher"] == "zmq"
+    z = cfg.source.zmq
+    assert (kv["endpoint"], kv["replay_endpoint"], kv["topic"]) == (
+        z.endpoint,
+        z.replay_endpoint,
+        z.topic,
+    )
+    assert f"--block-size={z.block_size}" in vllm["args"]
+    assert z.health_url.endswith(":8000/health")
+    for c in [side, vllm]:
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
 
 
 def test_k8s_manifest_is_native_sidecar_sharing_dev_shm() -> None:
@@ -123,3 +152,13 @@ def test_grafana_dashboard_queries_use_known_metrics() -> None:
     assert len(exprs) >= 10
     unknown = {m for e in exprs for m in METRIC_RE.findall(e) if not _known(m)}
     assert not unknown, unknown
+
+
+def test_grafana_dashboard_shows_every_zmq_source_metric() -> None:
+    from sidecar.metrics.registry import ZMQ_ONLY
+
+    dash = json.loads((DEPLOY / "grafana" / "kvcm-sidecar.json").read_text())
+    used = {m for p in dash["panels"] for t in p["targets"] for m in METRIC_RE.findall(t["expr"])}
+    for name in ZMQ_ONLY:
+        family = f"{name}_total" if METRICS[name][0] == "counter" else name
+        assert family in used, family

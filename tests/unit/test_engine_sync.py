@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from sidecar.engine_sync import EngineSync, Sync
 from sidecar.key_state import KeyState
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.reader import RingReader
 from sidecar.shm_ring.segment import Segment
 from sidecar.shm_ring.writer import RingWriter
+from sidecar.source.engine_sync import EngineSync, Sync
 
 
 def test_engine_sync_unanswered_snapshot_backlog_is_bounded(ring_name: str) -> None:
@@ -24,5 +24,21 @@ def test_engine_sync_unanswered_snapshot_backlog_is_bounded(ring_name: str) -> N
         assert sync.status is Sync.WAITING
     assert sync.resyncs["buffer_overflow"] >= 1
     assert peak <= 4 * 64 + 64  # never more than the bound plus one read
+    sync.reader.close()
+    writer.close()
+
+
+def test_engine_sync_records_of_an_unknown_medium_are_dropped_and_counted(ring_name: str) -> None:
+    writer = RingWriter(Segment(ring_name, 64))
+    sync = EngineSync(RingReader(Segment(ring_name)), KeyState())
+    sync.n_mediums = 2  # the descriptor's medium table: (hbm, mem)
+    recs = np.zeros((4, 4), np.uint64)
+    for i, (kind, medium) in enumerate(
+        [(L.KIND_STORED, 0), (L.KIND_STORED, 1), (L.KIND_STORED, 5), (L.KIND_CLEARED, 9)]
+    ):
+        recs[i] = (i + 1, 100 + i, L.pack_meta(kind, 0, medium), 0)
+    kept = sync._known(recs)
+    assert kept[:, 1].tolist() == [100, 101, 103]  # a clear names no medium: never dropped
+    assert sync.unknown_medium == 1
     sync.reader.close()
     writer.close()

@@ -1,9 +1,10 @@
 """The hook never loses a transition: ring drops, snapshots and the resident set (hypothesis).
 
 A rule-based state machine drives the real hook (no provider, so snapshots answer from its own
-resident set) against a tiny real ring, with a sidecar-side view built the way EngineSync builds
-it: on a drop or gap, request a snapshot, buffer what is read meanwhile, replace the view with the
-snapshot and apply only records after its fence. The oracle is the fold of every call made.
+resident set) against a tiny real ring, read by the sidecar's real EngineSync into its real
+per-medium KeyState: on a drop or gap it requests a snapshot, buffers what it reads meanwhile,
+replaces its view with the snapshot and applies only records after the fence. The oracle is the
+fold of every call made.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 import engine_hook
 from engine_hook.hook import Hook
+from sidecar.key_state import KeyState
 from sidecar.shm_ring import layout as L
-from sidecar.shm_ring import snapshot
 from sidecar.shm_ring.reader import RingReader
 from sidecar.shm_ring.segment import Segment, unlink
+from sidecar.source.engine_sync import EngineSync, Sync
 from tests.oracle import fold_mediums
 
 MEDIUMS = ("hbm", "mem", "disk")
@@ -34,72 +36,9 @@ def _signed(k: int) -> int:
     return k - (1 << 64) if k >= 1 << 63 else k
 
 
-class SidecarView:
-    """What the sidecar believes the engine holds, rebuilt exactly as EngineSync does."""
-
-    def __init__(self, seg: Segment) -> None:
-        self.seg = seg
-        self.reader = RingReader(seg)
-        self.view: dict[tuple[int, int], int] = {}
-        self.req = 0
-        self.buffer: list[np.ndarray] = []
-        self.synced = False  # a fresh reader knows nothing until its first snapshot
-        self.request()
-
-    def request(self) -> None:
-        self.req = snapshot.request(self.seg)
-        self.buffer = []
-        self.synced = False
-
-    def apply(self, records: np.ndarray) -> None:
-        ops = [
-            (m & 0xFF, (m >> 8) & 0xFF, (m >> 16) & 0xFF, _signed(k))
-            for _s, k, m, _p in records.tolist()
-        ]
-        base = [
-            (L.KIND_STORED, g, med, k)
-            for (k, med), mask in self.view.items()
-            for g in range(32)
-            if mask >> g & 1
-        ]
-        self.view = fold_mediums(base + ops)
-
-    def drain(self, max_records: int) -> int:
-        res = self.reader.read(max_records)
-        if res.dropped or res.gap:
-            self.request()
-        if self.synced:
-            self.apply(res.records)
-        else:
-            self.buffer.append(res.records)
-            self.poll()
-        return len(res.records)
-
-    def poll(self) -> None:
-        snap = snapshot.poll(self.seg, self.req)
-        if snap is None:
-            return
-        held = snap.masks != 0
-        self.view = {}
-        for k, mask, med in zip(
-            snap.keys[held].tolist(),
-            snap.masks[held].tolist(),
-            snap.mediums[held].tolist(),
-            strict=True,
-        ):
-            self.view[k, med] = self.view.get((k, med), 0) | mask
-        for recs in self.buffer:
-            self.apply(recs[recs[:, L.C_SEQ] > snap.seq])
-        self.buffer = []
-        if int(self.seg.hdr[L.W_DROPPED]) > snap.dropped_at:
-            self.request()  # a record after the fence was lost: ask again
-            return
-        self.synced = True
-
-
 class HookDropsMachine(RuleBasedStateMachine):
     hook: Hook
-    side: SidecarView
+    sync: EngineSync
 
     def __init__(self) -> None:
         super().__init__()
@@ -121,7 +60,12 @@ class HookDropsMachine(RuleBasedStateMachine):
         )
         assert isinstance(hook, Hook)
         self.hook = hook
-        self.side = SidecarView(Segment(self.ring))
+        self.sync = EngineSync(RingReader(Segment(self.ring)), KeyState(range(GROUPS)))
+        self.sync.n_mediums = len(MEDIUMS)
+
+    def view(self) -> dict[tuple[int, int], int]:
+        keys = self.sync.keys
+        return {(k, m): mask for m in range(len(MEDIUMS)) for k, mask in keys.as_dict(m).items()}
 
     def _record(self, kind: int, keys: list[int], group: int, medium: str | None) -> None:
         m = 0 if medium is None else MEDIUMS.index(medium)
@@ -166,25 +110,25 @@ class HookDropsMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 80))
     def drain(self, n: int) -> None:
-        self.side.drain(n)
+        self.sync.step(n)
 
-    @precondition(lambda self: self.side.synced)
+    @precondition(lambda self: self.sync.status is Sync.SYNCED)
     @rule()
     def sidecar_requests_snapshot(self) -> None:
-        self.side.request()
+        self.sync.request("test")
 
     @rule()
     def converge_and_compare(self) -> None:
         """Flush and drain until synced and caught up: the view is the fold of every call."""
         for _ in range(20):
             self.hook.flush()
-            while self.side.drain(1 << 16):
+            while self.sync.step(1 << 16).records:
                 pass
-            if self.side.synced and self.side.reader.idle():
+            if self.sync.status is Sync.SYNCED and self.sync.reader.idle():
                 break
-        assert self.side.synced, "the sidecar never got a snapshot it could trust"
+        assert self.sync.status is Sync.SYNCED, "the sidecar never got a snapshot it could trust"
         truth = fold_mediums(self.calls)
-        assert self.side.view == truth  # so nothing removed reappears, nothing stored is missing
+        assert self.view() == truth  # so nothing removed reappears, nothing stored is missing
         assert self.hook.stats()["problems"].get("internal", 0) == 0
 
     def teardown(self) -> None:
@@ -194,8 +138,8 @@ class HookDropsMachine(RuleBasedStateMachine):
             self.converge_and_compare()
         finally:  # a failing example must not leak its segments
             self.hook.close()
-            self.side.reader.close()
-            self.side.seg.close()
+            self.sync.reader.close()
+            self.sync.reader.seg.close()
             unlink(self.ring)
 
 

@@ -137,7 +137,7 @@ def test_key_state_tiny_index_compacts_and_grows_correctly(
 
 
 def _rebuilding(ks: KeyState) -> bool:
-    return ks._t.rebuild is not None
+    return ks._tiers[0].t.rebuild is not None
 
 
 def test_key_state_keys_changed_during_a_stepwise_reindex_survive_it() -> None:

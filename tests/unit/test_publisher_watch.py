@@ -9,7 +9,6 @@ import aiohttp
 import pytest
 
 from sidecar import config as C
-from sidecar.engine_sync import EngineSync
 from sidecar.key_state import KeyState
 from sidecar.kvcm_client.client import KvcmClient
 from sidecar.publisher import Publisher, State
@@ -17,6 +16,7 @@ from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.reader import RingReader
 from sidecar.shm_ring.segment import Segment
 from sidecar.shm_ring.writer import RingWriter
+from sidecar.source.ring import RingSource
 
 
 def down(p: Publisher) -> bool:
@@ -39,12 +39,13 @@ async def engine(ring_name: str) -> AsyncIterator[tuple[RingWriter, Publisher]]:
     writer = RingWriter(Segment(ring_name, 64))
     reader = RingReader(Segment(ring_name))
     async with aiohttp.ClientSession() as session:
+        cfg = C.load(env=ENV)
         yield (
             writer,
             Publisher(
-                C.load(env=ENV),
+                cfg,
                 KvcmClient(session, "http://127.0.0.1:9", 1024),
-                EngineSync(reader, KeyState()),
+                RingSource(cfg, reader, KeyState()),
             ),
         )
     reader.close()

@@ -74,3 +74,52 @@ def test_encode_snapshot_equals_struct_encoding(keys: list[int]) -> None:
     got, texts = _canonical(fast)
     assert got == _canonical(slow)[0]
     assert all(len(t) == W.KEY_DIGITS and t.isdigit() for t in texts)
+
+
+MEDIUMS = ("hbm", "mem", "disk")
+SPECS = [W.Spec("full", f"event_report://10.0.0.1:8000/{m}?size=4096") for m in MEDIUMS]
+TAGGED = st.lists(st.tuples(st.integers(-(2**63), 2**63 - 1), st.integers(0, 2)), max_size=30)
+
+
+@given(adds=TAGGED, deletes=TAGGED)
+def test_encode_deltas_per_key_mediums_equals_struct_encoding(
+    adds: list[tuple[int, int]], deletes: list[tuple[int, int]]
+) -> None:
+    fast = W.encode_deltas(
+        "t",
+        "i",
+        "h:1",
+        "ST_EVENT_REPORT_L1P5",
+        [k for k, _ in adds],
+        [k for k, _ in deletes],
+        MEDIUMS,
+        SPECS,
+        np.array([m for _, m in adds], np.uint8),
+        np.array([m for _, m in deletes], np.uint8),
+    )
+    events = [W.ev_add(k, MEDIUMS[m], SPECS[m]) for k, m in adds] + [
+        W.ev_delete(k, MEDIUMS[m], "full") for k, m in deletes
+    ]
+    slow = W.encode(W.ReportEventRequest("t", "i", "h:1", "ST_EVENT_REPORT_L1P5", events))
+    assert _canonical(fast)[0] == _canonical(slow)[0]
+
+
+@given(keys=TAGGED)
+def test_encode_snapshot_per_key_mediums_equals_struct_encoding(
+    keys: list[tuple[int, int]],
+) -> None:
+    fast = W.encode_snapshot(
+        "t",
+        "i",
+        "h:1",
+        "ST_EVENT_REPORT_L1P5",
+        [k for k, _ in keys],
+        MEDIUMS,
+        SPECS,
+        np.array([m for _, m in keys], np.uint8),
+    )
+    blocks = [W.SnapshotBlock(str(k), MEDIUMS[m], [SPECS[m]]) for k, m in keys]
+    slow = W.encode(
+        W.ReportEventRequest("t", "i", "h:1", "ST_EVENT_REPORT_L1P5", [W.ev_snapshot(blocks)])
+    )
+    assert _canonical(fast)[0] == _canonical(slow)[0]

@@ -1,9 +1,9 @@
 """Keeps the key state's engine view equal to the engine's truth through drops, gaps, restarts.
 
-Imports: stdlib, numpy, sidecar.shm_ring, key_state. Synchronous: `step()` drains the ring once.
-Recovery (DESIGN §5): request an engine snapshot fenced at sequence S, buffer the records read
-meanwhile, replace the engine view with the snapshot, then apply only records of that
-incarnation with seq > S. Nothing removed before S can come back.
+Imports: stdlib, numpy, sidecar.shm_ring, key_state. `step()` drains the ring once. Recovery
+(DESIGN §5): request an engine snapshot fenced at seq S, buffer what is read meanwhile, replace
+the view with the snapshot, apply only that incarnation's records after S. Records whose medium
+index is outside the descriptor's medium table are dropped and counted.
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ class EngineSync:
         self._buffer: list[np.ndarray] = []
         self._buffered = 0  # records in _buffer
         self._first = True
+        self.n_mediums = 1  # the medium table's size (from the descriptor, once it is read)
+        self.unknown_medium = 0  # records dropped: medium index outside the table
 
     def request(self, reason: str) -> None:
         """Ask the engine for a snapshot (again); records read meanwhile are buffered."""
@@ -103,14 +105,27 @@ class EngineSync:
         if self.status is Sync.WAITING:
             self._buffer.append(records)
             self._buffered += len(records)
-            if self._buffered > 4 * self.reader.capacity:
+            self._poll_snapshot(out)  # first: an answer already there empties the backlog
+            if self.status is Sync.WAITING and self._buffered > 4 * self.reader.capacity:
                 # The engine writes but does not answer: do not hold an unbounded backlog.
                 self.request("buffer_overflow")
-                return out
-            self._poll_snapshot(out)
         else:
-            self.keys.apply(records)
+            self.keys.apply(self._known(records))
         return out
+
+    def _known(self, records: np.ndarray) -> np.ndarray:
+        """Drop (and count) records naming a medium outside the table; clears carry none."""
+        if not len(records):
+            return records
+        meta = records[:, L.C_META]
+        med = (meta >> np.uint64(16)) & np.uint64(0xFF)  # layout.meta_medium, vectorised
+        bad = (med >= np.uint64(self.n_mediums)) & ((meta & np.uint64(0xFF)) != L.KIND_CLEARED)
+        if not bad.any():
+            return records
+        self.unknown_medium += int(bad.sum())
+        log.warning("ring records dropped reason=unknown_medium n=%d", int(bad.sum()))
+        kept: np.ndarray = records[~bad]
+        return kept
 
     def _poll_snapshot(self, out: StepResult) -> None:
         try:
@@ -126,10 +141,16 @@ class EngineSync:
         if snap.boot_id != self.boot_id:
             self.request("snapshot_incarnation_mismatch")
             return
-        self.keys.replace(snap.keys, snap.masks)
+        known = snap.mediums < self.n_mediums
+        if not known.all():
+            self.unknown_medium += int((~known).sum())
+            log.warning("snapshot entries dropped reason=unknown_medium")
+            self.keys.replace(snap.keys[known], snap.masks[known], snap.mediums[known])
+        else:
+            self.keys.replace(snap.keys, snap.masks, snap.mediums)
         for recs in self._buffer:
             if len(recs):
-                self.keys.apply(recs[recs[:, L.C_SEQ] > snap.seq])
+                self.keys.apply(self._known(recs[recs[:, L.C_SEQ] > snap.seq]))
         self._buffer = []
         if int(self.reader.seg.hdr[L.W_DROPPED]) > snap.dropped_at:
             self.request("dropped_after_fence")  # a record after S was lost: ask again

@@ -1,0 +1,756 @@
+"""A vLLM / SGLang ZMQ KV-event stream as a source: SUB + DEALER replay, counts, checkpoint.
+
+Imports: stdlib, numpy, pyzmq (zmq.asyncio on the daemon's loop), msgspec, key_state, source.*.
+`Stream` is the synchronous core (tests drive it): seq order; a gap replays from the last applied
+seq, whose digest must match (else another engine life); when the truth is lost the counts are
+emptied and KVCM gets an authoritative snapshot (a forget). Bad input is counted, never raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from sidecar.config import Config, group_list, medium_map
+from sidecar.key_state import KeyState
+from sidecar.source import checkpoint as ckpt
+from sidecar.source.base import Identity, Watch, WatchResult
+from sidecar.source.block_counts import BlockCounts
+from sidecar.source.health import probe
+from sidecar.source.zmq_events import EventDecoder, Segment, to_blocks
+
+log = logging.getLogger(__name__)
+
+END_SEQ = b"\xff" * 8  # the replay end marker's seq (-1)
+MAX_HELD_LIVE = 200_000  # live batches held while a replay runs; beyond: give up, forget
+IDLE_TURN_S = 0.5  # bounds how long a replay asked for by the watch loop waits to go out
+DRAIN_BATCHES = 1024  # frames read per loop turn before folding: ~25 ms of work at 1 M blocks/s
+
+# Forget reasons (labels of kvcm_sidecar_zmq_forgets_total).
+F_UNCOVERED = "replay_uncovered"  # the engine's buffer no longer holds the gap
+F_TIMEOUT = "replay_timeout"  # no reply (or no end marker) in time
+F_NO_REPLAY = "no_replay_endpoint"
+F_RESTART = "engine_restart"  # seq went backwards, or the replayed batch differs
+F_CLEARED = "all_blocks_cleared"
+F_CHECKPOINT = "checkpoint_unproven"
+F_MALFORMED = "malformed_replay"  # the replayed batch is unreadable too
+F_HELD = "live_backlog"  # too many live batches arrived during one replay
+
+
+class EndpointError(Exception):
+    """The SUB or DEALER socket cannot bind / connect (the sidecar exits 1 and is restarted)."""
+
+
+def digest(payload: bytes) -> bytes:
+    return ckpt.digest(payload)
+
+
+@dataclass
+class _Replay:
+    start: int  # the seq asked for
+    proof: bytes | None  # digest the batch at `start` must have (None: apply from `start`)
+    deadline: float
+    why: str
+    next: int = -1  # the next seq to apply from the replay (-1: the first reply decides)
+    live: deque[tuple[int, bytes]] = field(default_factory=deque)  # held meanwhile
+    proven: bool = False
+    replies: int = 0
+
+
+class Stream:
+    """Seq bookkeeping, replay, forget and the fold into counts (no sockets, no clock reads)."""
+
+    def __init__(
+        self,
+        decoder: EventDecoder,
+        counts: BlockCounts,
+        *,
+        dp_rank: int,
+        can_replay: bool,
+        replay_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.decoder = decoder
+        self.counts = counts
+        self.dp_rank = dp_rank
+        self.can_replay = can_replay
+        self.replay_timeout_s = replay_timeout_s
+        self.clock = clock
+        self.expected: int | None = None  # next seq to apply (None: take the next one seen)
+        self.last_seq = -1
+        self.last_payload: bytes | None = None
+        self.last_digest: bytes | None = None  # when last_payload is gone (a checkpoint)
+        self.replay: _Replay | None = None
+        self.want_replay: int | None = None  # a request the socket side must send
+        self.forget_pending = False
+        self.discard_ends = 0  # end markers of replies given up on, still to come
+        self.incarnation = secrets.randbits(63) | 1
+        self._pend: list[Segment] = []
+        self._replayed: dict[int, bytes] = {}  # seq -> digest of batches applied from a replay
+        self._replayed_top = -1
+        # counters (exported by sidecar/metrics)
+        self.batches: Counter[str] = Counter()  # applied, duplicate, dp_rank, malformed
+        self.events = np.zeros(512, np.int64)  # [2 * medium + stored?]: events applied
+        self.blocks = 0  # block hashes applied
+        self.decode_errors: Counter[str] = Counter()
+        self.gaps = 0
+        self.replays: Counter[str] = Counter()  # by outcome
+        self.forgets: Counter[str] = Counter()
+        self.restarts = 0
+        self.changed = False  # the key state may have changed since the owner last looked
+        self.pristine = True  # nothing applied or loaded yet (a forget would lose nothing)
+
+    # ---- entry points ------------------------------------------------------------------------
+    def start(self, checkpoint: ckpt.Checkpoint | None, loaded: bool) -> None:
+        """At sidecar start: prove a loaded checkpoint, or replay from 0 without one."""
+        if checkpoint is not None and loaded:
+            self.pristine = False
+            self.last_seq = checkpoint.last_seq
+            self.last_digest = checkpoint.digest
+            self.expected = checkpoint.last_seq + 1
+            if not self.can_replay:
+                self.forget(F_CHECKPOINT, "no replay endpoint to prove the checkpoint with")
+                self.expected = None
+                return
+            self._ask(checkpoint.last_seq, checkpoint.digest, "checkpoint")
+        elif self.can_replay:
+            self._ask(0, None, "start")
+
+    def reprove(self) -> None:
+        """The engine is healthy again after ENGINE_DOWN: a new incarnation, unless the replay
+        shows the same batch at the last applied seq."""
+        self.incarnation = secrets.randbits(63) | 1
+        if self.last_seq < 0:
+            return
+        if not self.can_replay:
+            self.forget(F_NO_REPLAY, "engine recovered, no replay endpoint to prove continuity")
+            self.expected = None
+            return
+        if self.replay is None:
+            self._ask(self.last_seq, self._last_digest(), "engine_recovered")
+
+    def on_live(self, seq: int, payload: bytes) -> None:
+        r = self.replay
+        if r is not None:
+            if len(r.live) >= MAX_HELD_LIVE:
+                # The replay is not keeping up with the live stream: give up on both, follow
+                # the live stream from here (from this batch on).
+                self.replay = None
+                self.replays["abandoned"] += 1
+                self.forget(F_HELD, f"more than {MAX_HELD_LIVE} live batches during a replay")
+                self.expected = None
+                self.discard_ends += 1
+            else:
+                r.live.append((seq, payload))
+                return
+        exp = self.expected
+        if self._replayed:
+            # Live copies of batches a replay already applied may still be in flight (the PUB
+            # socket lags the ROUTER): the same seq with the same payload is one of those.
+            if seq in self._replayed and self._replayed[seq] == digest(payload):
+                self.batches["duplicate"] += 1
+                return
+            if seq >= self._replayed_top:
+                self._replayed.clear()
+        if exp is None and self.pristine and seq and self.can_replay and self.replay is None:
+            # The first batch seen is not the engine's first (its start replay went unanswered
+            # while the engine was down): its earlier batches may still be in its buffer.
+            self._ask(0, None, "start").live.append((seq, payload))
+        elif exp is None or seq == exp:
+            self._apply(seq, payload, replayed=False)
+        elif seq > exp:
+            self.gaps += 1
+            log.warning("zmq seq gap expected=%d got=%d", exp, seq)
+            if self.can_replay and self.last_seq >= 0:
+                self._ask(self.last_seq, self._last_digest(), "gap").live.append((seq, payload))
+            elif self.can_replay:
+                self._ask(exp, None, "gap").live.append((seq, payload))
+            else:
+                self.forget(F_NO_REPLAY, f"seq gap {exp}..{seq - 1} and no replay endpoint")
+                self._apply(seq, payload, replayed=False)
+        else:
+            self.restarts += 1
+            self._replayed.clear()
+            self.forget(F_RESTART, f"seq went back from {exp - 1} to {seq}")
+            self.incarnation = secrets.randbits(63) | 1
+            self.last_payload = self.last_digest = None
+            self.last_seq = -1
+            self.expected = None
+            if seq and self.can_replay:  # the new life's first batches went by: ask for them
+                self._ask(0, None, "restart").live.append((seq, payload))
+            else:
+                self._apply(seq, payload, replayed=False)
+
+    def on_replayed(self, seq: int, payload: bytes) -> None:
+        r = self.replay
+        if r is None:
+            return  # a late reply to a request given up on
+        if self.discard_ends:
+            return  # the rest of a reply given up on (its end marker is still to come)
+        r.replies += 1
+        if r.proof is not None and not r.proven:
+            if seq == r.start and digest(payload) == r.proof:
+                r.proven = True
+                r.next = seq + 1
+                return
+            if seq == r.start:
+                # Another batch under that seq: another engine life. All of it may still be
+                # in the engine's buffer: forget, then ask for it from 0.
+                self.restarts += 1
+                why = F_CHECKPOINT if r.why == "checkpoint" else F_RESTART
+                self.forget(why, f"the batch at seq {seq} differs from the one applied")
+                self.incarnation = secrets.randbits(63) | 1
+                self.last_seq, self.last_payload, self.last_digest = -1, None, None
+                self.expected = None
+                self.replays["restart"] += 1
+                self.discard_ends += 1
+                self._ask(0, None, "restart").live = r.live
+                return
+            self._uncovered(F_UNCOVERED, f"replay from {r.start} began at {seq}")
+            r.proof = None
+            r.next = seq
+        if r.next < 0:
+            if seq != r.start:
+                self._uncovered(F_UNCOVERED, f"replay from {r.start} began at {seq}")
+            r.next = seq
+        if seq < r.next:
+            self.batches["duplicate"] += 1
+            return
+        if seq > r.next:
+            self._uncovered(F_UNCOVERED, f"replay skipped {r.next}..{seq - 1}")
+        r.next = seq + 1
+        self._replayed[seq] = digest(payload)
+        self._replayed_top = max(self._replayed_top, seq)
+        self._apply(seq, payload, replayed=True)
+
+    def on_replay_end(self) -> None:
+        if self.discard_ends:
+            self.discard_ends -= 1
+            return
+        r = self.replay
+        if r is None:
+            return
+        if r.proof is not None and not r.proven:
+            reason = F_CHECKPOINT if r.why == "checkpoint" else F_UNCOVERED
+            self._uncovered(reason, f"replay from {r.start} returned nothing")
+        elif r.replies == 0 and r.why != "start":
+            self._uncovered(F_UNCOVERED, f"replay from {r.start} returned nothing")
+        self.replays["covered" if not self._forgot_during(r) else "uncovered"] += 1
+        self._end_replay()
+
+    def check_deadline(self) -> bool:
+        """Give up on a replay not answered in time (True if it did)."""
+        r = self.replay
+        if r is None or self.clock() < r.deadline:
+            return False
+        self.replays["timeout"] += 1
+        self.discard_ends = 0  # the socket side opens a fresh DEALER: nothing stale arrives
+        if r.why == "start" and not r.replies:
+            # Nothing held yet, nothing to forget: the engine is not up (a sidecar started
+            # first); its first batches will show as a gap or a start from 0.
+            log.info(
+                "zmq start replay unanswered within %ss: following live", self.replay_timeout_s
+            )
+        else:
+            self.forget(F_TIMEOUT, f"no replay from {r.start} within {self.replay_timeout_s}s")
+        self.expected = None
+        self.replay = None
+        self._drain_held(r)
+        return True
+
+    def flush(self) -> None:
+        """Fold what was decoded since the last flush into the counts (and the key state)."""
+        if not self._pend:
+            return
+        b, events = to_blocks(self._pend)
+        self._pend = []
+        self.events += events
+        self.blocks += len(b.keys)
+        self.counts.apply(b.keys, b.mediums, b.groups, b.signs)
+        self.changed = True
+
+    def forget(self, reason: str, detail: str) -> None:
+        """The counts can no longer be trusted: empty them; KVCM gets an authoritative snapshot."""
+        if self.pristine:  # nothing was ever held: nothing to lose (the registration snapshot
+            log.info("zmq source starts mid-stream reason=%s detail=%s", reason, detail)
+            return  # already tells KVCM exactly what we hold: nothing)
+        self._pend = []
+        self.counts.clear()
+        self.forgets[reason] += 1
+        self.forget_pending = True
+        self.changed = True
+        log.warning("zmq source forgets the replica's keys reason=%s detail=%s", reason, detail)
+
+    def checkpoint(self) -> ckpt.Checkpoint | None:
+        """The state as of the last applied batch (None while nothing was applied)."""
+        self.flush()
+        d = self._last_digest()
+        if self.last_seq < 0 or d is None:
+            return None
+        return ckpt.Checkpoint(self.last_seq, d, [])
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _last_digest(self) -> bytes | None:
+        if self.last_payload is not None:
+            self.last_digest = digest(self.last_payload)
+            self.last_payload = None  # hash once; keep the digest
+        return self.last_digest
+
+    def _ask(self, start: int, proof: bytes | None, why: str) -> _Replay:
+        self.flush()
+        r = self.replay = _Replay(start, proof, self.clock() + self.replay_timeout_s, why)
+        self.want_replay = start
+        log.info("zmq replay requested from=%d why=%s", start, why)
+        return r
+
+    def _uncovered(self, reason: str, detail: str) -> None:
+        assert self.replay is not None
+        self.replay.why = f"{self.replay.why}:forgot"
+        self.forget(reason, detail)
+
+    @staticmethod
+    def _forgot_during(r: _Replay) -> bool:
+        return r.why.endswith(":forgot")
+
+    def _end_replay(self) -> None:
+        r = self.replay
+        self.replay = None
+        if r is None:
+            return
+        if r.next >= 0:
+            self.expected = r.next
+        self._drain_held(r)
+
+    def _drain_held(self, r: _Replay) -> None:
+        """The live batches held during the replay, in order; duplicates of replayed skipped."""
+        first = True
+        while r.live:
+            seq, payload = r.live.popleft()
+            if self.expected is not None and seq < self.expected and self.replay is None:
+                self.batches["duplicate"] += 1
+                continue
+            if first and self.expected is not None and seq > self.expected:
+                # The engine replays all it has buffered when it serves the request, which is
+                # after it published the batch that revealed the gap: a hole here is not in
+                # its buffer (or that seq was bogus). Asking again would loop.
+                self.forget(F_UNCOVERED, f"replay ended at {self.expected - 1}, live is at {seq}")
+                self.expected = None
+            first = False
+            self.on_live(seq, payload)
+            if self.replay is not None:  # another gap: the rest waits for that replay
+                self.replay.live.extend(r.live)
+                return
+
+    def _apply(self, seq: int, payload: bytes, *, replayed: bool) -> None:
+        self.pristine = False
+        d = self.decoder.decode(payload)
+        if not d.ok:
+            reason = d.error.split(":", 1)[0]
+            self.decode_errors[reason] += 1
+            self.batches["malformed"] += 1
+            log.warning("zmq batch unreadable seq=%d reason=%s", seq, d.error[:200])
+            if replayed or not self.can_replay or self.last_seq < 0:
+                # Its changes are lost for good: what we hold may be wrong from here on.
+                self.forget(F_MALFORMED, f"batch {seq} unreadable")
+            else:  # maybe only this copy was damaged: ask for it again
+                self.gaps += 1
+                self._ask(self.last_seq, self._last_digest(), "malformed")
+                return
+        self.expected = seq + 1
+        self.last_seq = seq
+        self.last_payload = payload
+        if not d.ok:
+            return
+        if d.dp_rank is not None and d.dp_rank != self.dp_rank:
+            self.batches["dp_rank"] += 1
+            log.warning("zmq batch of another dp rank dropped seq=%d dp_rank=%d", seq, d.dp_rank)
+            return
+        self.batches["replayed" if replayed else "applied"] += 1
+        if self.decoder.dropped_recently:
+            self.decoder.dropped_recently = False
+            log.warning("zmq events dropped totals=%s", self.decoder.drops)
+        for part in d.parts:
+            if isinstance(part, Segment):
+                self._pend.append(part)
+            else:  # CLEARED
+                self.flush()
+                self.forget(F_CLEARED, f"AllBlocksCleared in batch {seq}")
+
+
+def kvcm_mediums(cfg: Config) -> tuple[tuple[str, ...], dict[str, int]]:
+    """(medium table, engine medium -> index): index 0 is what GPU (the default) maps to."""
+    mm = medium_map(cfg.source.zmq.medium_map)
+    table: list[str] = []
+    for kvcm in [mm.get("GPU", "hbm"), *mm.values()]:
+        if kvcm not in table:
+            table.append(kvcm)
+    return tuple(table), {engine: table.index(kvcm) for engine, kvcm in mm.items()}
+
+
+def infer_bind(endpoint: str) -> bool:
+    """The engine binds wildcard and ipc endpoints (so the sidecar connects), else connects."""
+    return not ("*" in endpoint or endpoint.startswith(("ipc://", "inproc://")))
+
+
+def connectable(endpoint: str) -> str:
+    return endpoint.replace("://*:", "://127.0.0.1:")
+
+
+class ZmqSource:
+    kind = "zmq"
+
+    def __init__(
+        self,
+        cfg: Config,
+        keys: KeyState,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.cfg = cfg
+        z = cfg.source.zmq
+        self.z = z
+        self.keys = keys
+        self.clock = clock
+        self.sleep = sleep
+        self.mediums, index = kvcm_mediums(cfg)
+        self.required = group_list(z.required_groups)
+        keys.set_required(self.required)
+        self.counts = BlockCounts(keys)
+        self.stream = Stream(
+            EventDecoder(index, z.block_size, cfg.identity.dp_rank),
+            self.counts,
+            dp_rank=cfg.identity.dp_rank,
+            can_replay=bool(z.replay_endpoint),
+            replay_timeout_s=z.replay_timeout_s,
+            clock=clock,
+        )
+        self.bind = infer_bind(z.endpoint) if z.bind is None else z.bind
+        self.ckpt_path = ckpt.path_for(
+            cfg.source.state_dir, cfg.identity.instance_id, cfg.identity.dp_rank, z.endpoint
+        )
+        self.ckpt_at = 0.0  # clock() of the last checkpoint written (0: none yet)
+        self.ckpt_seq = -2
+        self.ckpt_errors: Counter[str] = Counter()
+        self.health_failures = 0
+        self.health_ok_once = False
+        self.frames_bad: Counter[str] = Counter()
+        self.live_frames = 0
+        self.replayed_frames = 0
+        self.highest_seen = -1
+        self._ctx: zmq.asyncio.Context | None = None
+
+    # ---- what the publisher reads ----------------------------------------------------------
+    @property
+    def incarnation(self) -> int:
+        return self.stream.incarnation
+
+    @property
+    def last_seq(self) -> int:
+        return max(self.stream.last_seq, 0)
+
+    @property
+    def dropped_total(self) -> int:
+        return sum(self.stream.forgets.values())
+
+    @property
+    def resyncs(self) -> Counter[str]:
+        return self.stream.forgets
+
+    @property
+    def synced(self) -> bool:
+        return self.stream.replay is None
+
+    @property
+    def sync_state(self) -> str:
+        r = self.stream.replay
+        return "synced" if r is None else f"replaying_{r.why.split(':')[0]}"
+
+    def lag(self) -> int:
+        """Batches seen (live) beyond the last applied one."""
+        return max(self.highest_seen - self.stream.last_seq, 0)
+
+    def take_forget(self) -> bool:
+        out = self.stream.forget_pending
+        self.stream.forget_pending = False
+        return out
+
+    def identity(self) -> Identity:
+        i, z = self.cfg.identity, self.z
+        return Identity(
+            instance_id=i.instance_id,
+            dp_rank=i.dp_rank,
+            model_name=z.model_name,
+            dtype=z.dtype,
+            use_mla=False,
+            tp_size=z.tp_size,
+            dp_size=z.dp_size,
+            pp_size=1,
+            block_size_tokens=z.block_size,
+            block_bytes=z.block_bytes,
+            required_groups=self.required,
+            mediums=self.mediums,
+        )
+
+    def watch(self, engine_down: bool) -> WatchResult:
+        if not self.z.health_url:
+            return WatchResult()  # silence is not death: without a probe the engine lives
+        if not engine_down and self.health_failures >= self.z.health_fail_after:
+            log.warning("engine down reason=health failures=%d", self.health_failures)
+            return WatchResult(Watch.DOWN, f"health check failed {self.health_failures} times")
+        if engine_down and self.health_failures == 0 and self.health_ok_once:
+            # A new incarnation unless the replay proves continuity; not synced until then, so
+            # the publisher's snapshot after re-registering waits for the proof.
+            self.stream.reprove()
+            log.info("engine back reason=health")
+            return WatchResult(Watch.BACK, "healthy again", self.stream.incarnation)
+        return WatchResult()
+
+    def checkpoint_age_s(self) -> float:
+        return self.clock() - self.ckpt_at if self.ckpt_at else -1.0
+
+    def status(self) -> dict[str, Any]:
+        s = self.stream
+        return {
+            "source": self.kind,
+            "zmq_endpoint": self.z.endpoint,
+            "zmq_bind": self.bind,
+            "zmq_gaps": s.gaps,
+            "zmq_forgets": dict(s.forgets),
+            "zmq_replays": dict(s.replays),
+            "zmq_drops": dict(s.decoder.drops),
+            "zmq_decode_errors": dict(s.decode_errors),
+            "zmq_held_blocks": self.counts.held(),
+            "checkpoint_age_s": round(self.checkpoint_age_s(), 3),
+            "health_failures": self.health_failures,
+        }
+
+    # ---- loops -------------------------------------------------------------------------------
+    def loops(self, work: asyncio.Event) -> dict[str, Awaitable[None]]:
+        out: dict[str, Awaitable[None]] = {"zmq-feed": self.run(work)}
+        if self.z.health_url:
+            out["zmq-health"] = self.health_loop()
+        return out
+
+    async def health_loop(self) -> None:
+        z = self.z
+        while True:
+            ok = await probe(z.health_url, z.health_timeout_s)
+            if ok:
+                self.health_failures = 0
+                self.health_ok_once = True
+            else:
+                self.health_failures += 1
+                log.warning(
+                    "engine health probe failed url=%s n=%d", z.health_url, self.health_failures
+                )
+            await self.sleep(z.health_interval_s)
+
+    def _load_checkpoint(self) -> ckpt.Checkpoint | None:
+        i = self.cfg.identity
+        try:
+            c = ckpt.load(self.ckpt_path, i.instance_id, i.dp_rank, self.z.endpoint)
+        except ckpt.CheckpointError as exc:
+            self.ckpt_errors["unreadable"] += 1
+            log.warning("zmq checkpoint ignored detail=%s", exc)
+            return None
+        if c is None:
+            return None
+        index = {m: n for n, m in enumerate(self.mediums)}
+        for medium, group, keys, counts in c.tables:
+            if medium in index:
+                self.counts.load(index[medium], group, keys, counts)
+            else:
+                self.ckpt_errors["unknown_medium"] += 1
+        log.info("zmq checkpoint loaded last_seq=%d held=%d", c.last_seq, self.counts.held())
+        return c
+
+    def write_checkpoint(self) -> None:
+        c = self.stream.checkpoint()
+        if c is None or (c.last_seq == self.ckpt_seq and self.ckpt_at):
+            if c is not None:
+                self.ckpt_at = self.clock()
+            return
+        names = self.mediums
+        c.tables = [(names[m], g, k, n) for m, g, k, n in self.counts.arrays() if m < len(names)]
+        i = self.cfg.identity
+        try:
+            ckpt.save(self.ckpt_path, i.instance_id, i.dp_rank, self.z.endpoint, c)
+        except OSError as exc:
+            self.ckpt_errors["write"] += 1
+            log.warning("zmq checkpoint not written path=%s detail=%s", self.ckpt_path, exc)
+            return
+        self.ckpt_at = self.clock()
+        self.ckpt_seq = c.last_seq
+
+    def _sockets(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket | None]:
+        assert self._ctx is not None
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 0)  # never drop silently in the sidecar: the engine's HWM
+        sub.setsockopt(zmq.SUBSCRIBE, self.z.topic.encode())
+        try:
+            if self.bind:
+                sub.bind(self.z.endpoint)
+            else:
+                sub.connect(connectable(self.z.endpoint))
+            return sub, self._dealer()
+        except zmq.ZMQError as exc:
+            sub.close(0)
+            how = "bind" if self.bind else "connect to"
+            raise EndpointError(
+                f"cannot {how} {self.z.endpoint} ({exc}); source.zmq.bind must be the opposite "
+                "of the engine's: vLLM binds tcp://*:P and ipc:// endpoints, connects otherwise"
+            ) from None
+
+    def _dealer(self) -> zmq.asyncio.Socket | None:
+        if not self.z.replay_endpoint:
+            return None
+        assert self._ctx is not None
+        d = self._ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(connectable(self.z.replay_endpoint))
+        return d
+
+    async def run(self, work: asyncio.Event) -> None:
+        self._ctx = zmq.asyncio.Context()
+        c = self._load_checkpoint()
+        self.stream.start(c, loaded=c is not None)
+        if c is None:
+            self.stream.changed = True
+        sub, dealer = self._sockets()
+        sync_sub: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
+        try:
+            await self._feed(sub, sync_sub, dealer, work)
+        finally:
+            sub.close(0)
+            if dealer is not None:
+                dealer.close(0)
+            self._ctx.destroy(0)
+            self._ctx = None
+
+    async def _feed(
+        self,
+        sub: zmq.asyncio.Socket,
+        sync_sub: zmq.Socket[bytes],
+        dealer: zmq.asyncio.Socket | None,
+        work: asyncio.Event,
+    ) -> None:
+        s = self.stream
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        sync_dealer: zmq.Socket[bytes] | None = None
+        if dealer is not None:
+            poller.register(dealer, zmq.POLLIN)
+            sync_dealer = zmq.Socket.shadow(dealer.underlying)
+        every = self.z.checkpoint_interval_s
+        next_ckpt = self.clock() + every
+        while True:
+            if s.want_replay is not None and dealer is not None:
+                start, s.want_replay = s.want_replay, None
+                await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            # At most IDLE_TURN_S asleep: a replay the watch loop asks for goes out promptly.
+            timeout = min(next_ckpt - self.clock(), IDLE_TURN_S)
+            if s.replay is not None:
+                timeout = min(timeout, s.replay.deadline - self.clock())
+            events = dict(await poller.poll(max(int(timeout * 1000), 0)))
+            if sync_dealer is not None and dealer in events:
+                self._read_replies(sync_dealer)
+            if sub in events:
+                self._read_live(sync_sub)
+            if s.check_deadline() and dealer is not None:
+                # Replies to the request given up on may still come: a fresh socket drops them.
+                poller.unregister(dealer)
+                dealer.close(0)
+                dealer = self._dealer()
+                assert dealer is not None
+                poller.register(dealer, zmq.POLLIN)
+                sync_dealer = zmq.Socket.shadow(dealer.underlying)
+            was_dirty = bool(self.keys.dirty)
+            s.flush()
+            if s.changed:
+                s.changed = False
+                if not was_dirty and self.keys.dirty:
+                    self.keys.dirty_since = self.clock()
+                work.set()
+            if self.clock() >= next_ckpt:
+                self.write_checkpoint()
+                next_ckpt = self.clock() + every
+
+    def _read_live(self, sock: zmq.Socket[bytes]) -> None:
+        # pyzmq's recv_multipart asks RCVMORE after every frame (~1 us each): a batch is three
+        # frames, so take three and ask once that the message ended there. A message of
+        # another shape then shows as "more after the third frame" (or no third frame): it and
+        # the rest of what was read with it are skipped and counted; a good batch lost that
+        # way is a seq gap, which the replay repairs.
+        s = self.stream
+        recv, more = sock.recv, sock.getsockopt
+        nb, rcvmore = int(zmq.NOBLOCK), int(zmq.RCVMORE)
+        for _ in range(DRAIN_BATCHES):
+            try:
+                topic = recv(nb)
+            except zmq.Again:
+                return
+            self.live_frames += 1
+            try:
+                seq_b = recv(nb)
+                payload = recv(nb)
+            except zmq.Again:  # a message of one or two frames, and nothing after it
+                self._bad_frame("frame_shape", 2)
+                return
+            if more(rcvmore):
+                n = 3
+                while more(rcvmore):
+                    recv(nb)
+                    n += 1
+                self._bad_frame("frame_shape", n)
+                continue
+            if len(seq_b) != 8 or seq_b == END_SEQ:
+                self._bad_frame("frame_shape", 3)
+                continue
+            del topic  # the SUB's prefix filter already matched it
+            seq = int.from_bytes(seq_b, "big")
+            if seq > self.highest_seen or seq == 0:
+                self.highest_seen = seq
+            s.on_live(seq, payload)
+
+    def _read_replies(self, sock: zmq.Socket[bytes]) -> None:
+        s = self.stream
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            # vLLM: ["", topic, seq, payload]; SGLang: ["", seq, payload]; end: seq -1, b"".
+            if len(frames) not in (3, 4) or frames[0] != b"" or len(frames[-2]) != 8:
+                self._bad_frame("replay_frame_shape", len(frames))
+                continue
+            self.replayed_frames += 1
+            if frames[-2] == END_SEQ:
+                s.on_replay_end()
+            else:
+                s.on_replayed(int.from_bytes(frames[-2], "big"), frames[-1])
+
+    def _bad_frame(self, reason: str, n: int) -> None:
+        self.frames_bad[reason] += 1
+        self.stream.decode_errors[reason] += 1
+        log.warning("zmq frame skipped reason=%s frames=%d", reason, n)
+
+    async def final_drain(self) -> None:
+        self.stream.flush()
+        self.write_checkpoint()
+
+    def close(self) -> None:
+        if self._ctx is not None:
+            self._ctx.destroy(0)
+            self._ctx = None

@@ -1,0 +1,326 @@
+"""vLLM / SGLang KV-event payloads (msgpack) decoded into per-block arrays; never raises.
+
+Imports: stdlib, numpy, msgspec. `[ts, events, dp_rank?]`; events are tagged maps (`type`) or,
+from older releases, positional arrays (tag first, trailing fields optional); unknown fields are
+ignored, absent ones tolerated, unknown event types skipped. Hashes (ints or byte digests) keep
+their low 64 bits (bytes big-endian) as int64 patterns; typed decoders first, generic as a fallback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+M64 = (1 << 64) - 1
+STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
+KNOWN = frozenset((STORED, REMOVED, CLEARED))
+
+# Decode-error reasons (labels of kvcm_sidecar_zmq_decode_errors_total).
+ERR_NOT_MSGPACK = "not_msgpack"  # not msgpack, or not [ts, events, dp_rank?]
+ERR_EVENT = "malformed_event"  # a known event type with unreadable fields
+# Per-event drops (labels of kvcm_sidecar_zmq_dropped_total), besides whole-batch dp_rank drops.
+DROP_UNKNOWN_EVENT = "unknown_event"
+DROP_BLOCK_SIZE = "block_size"
+DROP_MEDIUM = "unknown_medium"
+
+
+def _structs(hash_t: Any, positional: bool) -> tuple[Any, Any, Any]:
+    """(BlockStored, BlockRemoved, AllBlocksCleared) for one hash type and encoding."""
+    raw = msgspec.Raw  # decoded lazily, never materialised (token_ids is the bulk of a batch)
+    opts: dict[str, Any] = {"tag": True, "array_like": positional, "gc": False}
+    if not positional:
+        opts["tag_field"] = "type"
+    if positional:
+        stored_fields: list[Any] = [
+            ("block_hashes", list[hash_t]),
+            ("parent_block_hash", raw, msgspec.field(default_factory=raw)),
+            ("token_ids", raw, msgspec.field(default_factory=raw)),
+            ("block_size", int | None, None),
+            ("lora_id", raw, msgspec.field(default_factory=raw)),
+            ("medium", str | None, None),
+            ("lora_name", raw, msgspec.field(default_factory=raw)),
+            ("extra_keys", raw, msgspec.field(default_factory=raw)),
+            ("group_idx", int | None, None),
+        ]
+    else:  # by name: undeclared fields (token_ids, parent_block_hash, ...) are skipped
+        stored_fields = [
+            ("block_hashes", list[hash_t]),
+            ("block_size", int | None, None),
+            ("medium", str | None, None),
+            ("group_idx", int | None, None),
+        ]
+    removed_fields: list[Any] = [
+        ("block_hashes", list[hash_t]),
+        ("medium", str | None, None),
+        ("group_idx", int | None, None),
+    ]
+    return (
+        msgspec.defstruct(STORED, stored_fields, **opts),
+        msgspec.defstruct(REMOVED, removed_fields, **opts),
+        msgspec.defstruct(CLEARED, [], **opts),
+    )
+
+
+def _batch_decoder(events_t: Any) -> msgspec.msgpack.Decoder[Any]:
+    batch = msgspec.defstruct(
+        "EventBatch",
+        [("ts", float), ("events", events_t), ("dp_rank", int | None, None)],
+        array_like=True,
+        gc=False,
+    )
+    return msgspec.msgpack.Decoder(batch)
+
+
+class _Variant:
+    """One typed decoding: (hash type, encoding) -> batch and single-event decoders."""
+
+    def __init__(self, hash_t: Any, positional: bool) -> None:
+        self.kind = {int: "int", bytes: "bytes"}.get(hash_t, "mixed")
+        s, r, c = _structs(hash_t, positional)
+        self.stored, self.removed, self.cleared = s, r, c
+        self.batch = _batch_decoder(list[s | r | c])  # type: ignore[valid-type]
+        self.event = msgspec.msgpack.Decoder(s | r | c)
+
+
+_VARIANTS = [
+    _Variant(int, False),
+    _Variant(bytes, False),
+    _Variant(int, True),
+    _Variant(bytes, True),
+    _Variant(int | bytes, False),
+    _Variant(int | bytes, True),
+]
+_TAG: dict[type, str] = {
+    cls: name
+    for v in _VARIANTS
+    for cls, name in ((v.stored, STORED), (v.removed, REMOVED), (v.cleared, CLEARED))
+}
+_RAW_BATCH = _batch_decoder(list[msgspec.Raw])
+_GENERIC = msgspec.msgpack.Decoder()
+
+
+@dataclass
+class Blocks:
+    """Block events in order, between clears: one entry per block hash."""
+
+    keys: np.ndarray  # int64 bit patterns
+    mediums: np.ndarray  # uint8 index into the medium table
+    groups: np.ndarray  # uint8 group_idx
+    signs: np.ndarray  # int8: +1 stored, -1 removed
+
+
+class Segment:
+    """Block events of one batch between clears, as Python lists (one entry per event, the
+    hashes flat); `kind` says what the hashes are: "int", "bytes" or "mixed"."""
+
+    __slots__ = ("counts", "groups", "hashes", "kind", "meds", "signs")
+
+    def __init__(self, kind: str) -> None:  # plain slots: built once per batch, on the hot path
+        self.kind = kind
+        self.hashes: list[Any] = []
+        self.counts: list[int] = []  # hashes per event
+        self.meds: list[int] = []
+        self.groups: list[int] = []
+        self.signs: list[int] = []
+
+
+class Decoded:
+    """A decoded payload: `parts` alternates Segments and the string CLEARED, in event order."""
+
+    __slots__ = ("blocks", "dp_rank", "error", "ok", "parts")
+
+    def __init__(self, ok: bool, dp_rank: int | None = None, error: str = "") -> None:
+        self.ok = ok
+        self.dp_rank = dp_rank
+        self.parts: list[Segment | str] = []
+        self.blocks = 0
+        self.error = error  # why not ok
+
+
+def fold_hashes(hashes: list[Any], kind: str = "mixed") -> np.ndarray:
+    """Block hashes -> int64 bit patterns: ints keep their low 64 bits; bytes are big-endian,
+    low 64 bits (a 32-byte digest keeps its last 8 bytes). `kind` "int" / "bytes" promises
+    that every hash is of that type (numpy would read b"12" as the number 12)."""
+    if not hashes:
+        return np.zeros(0, np.int64)
+    if kind == "int":
+        try:
+            out: np.ndarray = np.array(hashes, np.uint64).view(np.int64)
+            return out
+        except OverflowError:
+            pass  # negative ints: one by one below
+    elif kind == "bytes" and all(len(h) == 32 for h in hashes):
+        rows = np.frombuffer(b"".join(hashes), np.uint8).reshape(-1, 32)
+        tail = np.ascontiguousarray(rows[:, 24:]).view(">u8").ravel()
+        out = tail.astype(np.uint64).view(np.int64)
+        return out
+    vals = [(int.from_bytes(h, "big") if isinstance(h, bytes) else int(h)) & M64 for h in hashes]
+    return np.array(vals, np.uint64).view(np.int64)
+
+
+def to_blocks(segments: list[Segment]) -> tuple[Blocks, np.ndarray]:
+    """One set of arrays for several segments, and the events they hold per medium index and
+    type: counts[2 * medium + 1] stored, counts[2 * medium] removed (512 entries)."""
+    kinds = {s.kind for s in segments}
+    kind = kinds.pop() if len(kinds) == 1 else "mixed"
+    if len(segments) == 1:
+        seg = segments[0]
+        hashes, counts, meds, groups, signs = (
+            seg.hashes,
+            seg.counts,
+            seg.meds,
+            seg.groups,
+            seg.signs,
+        )
+    else:
+        hashes, counts, meds, groups, signs = [], [], [], [], []
+        for seg in segments:
+            hashes += seg.hashes
+            counts += seg.counts
+            meds += seg.meds
+            groups += seg.groups
+            signs += seg.signs
+    n = np.array(counts, np.int64)
+    m = np.array(meds, np.uint8)
+    sg = np.array(signs, np.int8)
+    events = np.bincount(m.astype(np.int64) * 2 + (sg > 0), minlength=512)
+    blocks = Blocks(
+        fold_hashes(hashes, kind),
+        np.repeat(m, n),
+        np.repeat(np.array(groups, np.uint8), n),
+        np.repeat(sg, n),
+    )
+    return blocks, events
+
+
+class EventDecoder:
+    """Payload bytes -> Decoded, for one replica's medium map and expected block size."""
+
+    def __init__(
+        self, medium_index: Mapping[str, int], block_size: int, dp_rank: int | None = None
+    ) -> None:
+        self.medium_index = dict(medium_index)  # engine medium name -> medium table index
+        self.default_medium = "GPU"  # what an absent medium means (vLLM and SGLang)
+        self.block_size = block_size
+        self.dp_rank = dp_rank  # batches of another rank are not folded (None: fold all)
+        # Running totals (metrics): clears and per-event drops; events and blocks applied are
+        # counted per flush by the Stream (to_blocks).
+        self.cleared = 0
+        self.drops: dict[str, int] = {}
+        self.dropped_recently = False  # the owner logs drops (once per interval) and clears
+        self._order = list(range(len(_VARIANTS)))  # the variant that worked last goes first
+
+    def decode(self, payload: bytes) -> Decoded:
+        try:
+            return self._decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+            return Decoded(False, error=f"{ERR_NOT_MSGPACK}: {exc}")
+        except (OverflowError, RecursionError, MemoryError) as exc:  # hostile nesting or sizes
+            return Decoded(False, error=f"{ERR_NOT_MSGPACK}: {type(exc).__name__}")
+
+    def _decode(self, payload: bytes) -> Decoded:
+        for n, i in enumerate(self._order):
+            v = _VARIANTS[i]
+            try:
+                batch = v.batch.decode(payload)
+            except msgspec.ValidationError:
+                continue
+            if n:
+                self._order.insert(0, self._order.pop(n))
+            return self._fold(batch.dp_rank, batch.events, v.kind)
+        # No typed decoding reads the whole batch: decode event by event.
+        raw = _RAW_BATCH.decode(payload)  # raises DecodeError / ValidationError: not a batch
+        events: list[Any] = []
+        unknown = 0
+        for item in raw.events:
+            ev = self._one(item)
+            if ev is None:
+                return Decoded(False, raw.dp_rank, error=ERR_EVENT)
+            if ev is _UNKNOWN:
+                unknown += 1
+                continue
+            events.append(ev)
+        out = self._fold(raw.dp_rank, events, "mixed")
+        for _ in range(unknown):
+            self._drop(DROP_UNKNOWN_EVENT)
+        return out
+
+    def _one(self, item: msgspec.Raw) -> Any:
+        """One event: a typed struct, _UNKNOWN (a type we do not know), or None (malformed)."""
+        for v in _VARIANTS:
+            try:
+                return v.event.decode(item)
+            except msgspec.ValidationError:
+                continue
+        try:
+            obj = _GENERIC.decode(item)
+        except msgspec.DecodeError:
+            return None
+        tag = obj.get("type") if isinstance(obj, dict) else obj[0] if obj else None
+        if isinstance(obj, list | dict) and isinstance(tag, str) and tag not in KNOWN:
+            return _UNKNOWN
+        return None
+
+    def _fold(self, dp_rank: int | None, events: list[Any], kind: str) -> Decoded:
+        # The hot loop of the ZMQ source: locals only, a few list appends per event and
+        # nothing per hash; events and blocks are counted per flush from these lists
+        # (to_blocks), drops (rare) here.
+        out = Decoded(True, dp_rank)
+        if dp_rank is not None and self.dp_rank is not None and dp_rank != self.dp_rank:
+            return out  # another rank's batch: the caller counts it, nothing to fold
+        seg = Segment(kind)
+        hashes, counts, meds = seg.hashes, seg.counts, seg.meds
+        groups, signs = seg.groups, seg.signs
+        index, default, bs = self.medium_index, self.default_medium, self.block_size
+        tag_of = _TAG
+        for ev in events:
+            name = tag_of[type(ev)]
+            if name is STORED:
+                size = ev.block_size
+                if size is not None and size != bs:
+                    self._drop(DROP_BLOCK_SIZE)
+                    continue
+                sign = 1
+            elif name is REMOVED:
+                sign = -1
+            else:  # CLEARED
+                if counts:
+                    out.parts.append(seg)
+                    seg = Segment(kind)
+                    hashes, counts, meds = seg.hashes, seg.counts, seg.meds
+                    groups, signs = seg.groups, seg.signs
+                out.parts.append(CLEARED)
+                self.cleared += 1
+                continue
+            mi = index.get(ev.medium or default)
+            if mi is None:
+                self._drop(DROP_MEDIUM)
+                continue
+            g = ev.group_idx
+            if g and not 0 < g < 63:  # group bits live in an int64 mask
+                self._drop(ERR_EVENT)
+                continue
+            hs = ev.block_hashes
+            hashes += hs
+            counts.append(len(hs))
+            meds.append(mi)
+            groups.append(g or 0)
+            signs.append(sign)
+        if counts:
+            out.parts.append(seg)
+        return out
+
+    def _drop(self, reason: str) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + 1
+        self.dropped_recently = True
+
+
+class _Unknown:
+    pass
+
+
+_UNKNOWN = _Unknown()

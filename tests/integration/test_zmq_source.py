@@ -1,0 +1,384 @@
+"""End to end, ZMQ source: the zmq publisher process (vLLM / SGLang wire) -> real `kvcm-sidecar
+run --set source.kind=zmq` -> the KVCM-compatible server. Oracle: at quiet, KVCM's visible
+(key, medium) pairs == the publisher's truth (store count > 0 per key and medium), key for key;
+after a forget, KVCM holds nothing the engine dropped and everything stored since.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_hook.zmq_publisher import PublisherProcess
+from tests.integration.harness import Harness, SidecarProc
+
+# engine medium -> KVCM medium (the default medium map)
+KVCM_MEDIUM = {
+    "GPU": "hbm",
+    "CPU": "mem",
+    "CPU_PINNED": "mem",
+    "STORAGE": "disk",
+    "DISK": "disk",
+    "EXTERNAL": "remote",
+}
+ZMQ_SETTINGS = {
+    "source.kind": "zmq",
+    "source.zmq.bind": "false",
+    "source.zmq.replay_timeout_s": "2",
+    "source.zmq.checkpoint_interval_s": "0.2",
+    "source.zmq.health_interval_s": "0.05",
+    "source.zmq.health_fail_after": "3",
+}
+
+
+class ZmqHarness:
+    def __init__(self, h: Harness, tmp: Path) -> None:
+        self.h = h
+        self.state_dir = tmp / "state"
+        self.pub: PublisherProcess | None = None
+
+    def start_engine(self, **cfg: Any) -> PublisherProcess:
+        self.pub = PublisherProcess(**cfg)
+        return self.pub
+
+    def start_sidecar(self, **settings: str) -> SidecarProc:
+        assert self.pub is not None
+        r = self.pub.ready
+        extra = {
+            **ZMQ_SETTINGS,
+            "source.zmq.endpoint": r["pub"],
+            "source.state_dir": str(self.state_dir),
+        }
+        if r.get("replay"):
+            extra["source.zmq.replay_endpoint"] = r["replay"]
+        if r.get("health"):
+            extra["source.zmq.health_url"] = r["health"]
+        side = self.h.start_sidecar(**{**extra, **settings})
+        self.pub.call("wait_subscribers", n=1)
+        return side
+
+    def truth(self) -> set[tuple[int, str]]:
+        assert self.pub is not None
+        return {(k, KVCM_MEDIUM[m]) for k, m in self.pub.truth(group=0)}
+
+    async def visible(self) -> set[tuple[int, str]]:
+        r = await self.h.reporter()
+        return {(int(k), m) for k, m in r["visible"]} if r else set()
+
+    async def converge(self, within_s: float = 20.0) -> set[tuple[int, str]]:
+        """Wait (bounded) until KVCM shows exactly the publisher's truth."""
+        want = self.truth()
+        deadline = time.monotonic() + within_s
+        while True:
+            seen = await self.visible()
+            if seen == want:
+                return seen
+            if time.monotonic() > deadline:
+                tail = "".join(self.h.sidecar.log[-20:]) if self.h.sidecar else ""
+                raise AssertionError(
+                    f"no convergence: missing={len(want - seen)} extra={len(seen - want)}\n{tail}"
+                )
+            await asyncio.sleep(0.02)  # polling another process's state, bounded by deadline
+
+    async def settle(self, pred: Any, within_s: float = 20.0) -> dict[str, Any]:
+        """Wait (bounded) until the sidecar's /status satisfies `pred`."""
+        deadline = time.monotonic() + within_s
+        while True:
+            st = await self.h.status()
+            if pred(st):
+                return st
+            assert time.monotonic() < deadline, f"status never matched: {json.dumps(st)}"
+            await asyncio.sleep(0.02)  # polling another process's state, bounded by deadline
+
+    async def rebuilt(self, later: set[tuple[int, str]], within_s: float = 20.0) -> set[Any]:
+        """After a forget: wait (bounded) until `later` (stored since) is visible; then KVCM
+        must hold nothing the engine does not (the forget dropped what it could not vouch for)."""
+        deadline = time.monotonic() + within_s
+        while not later <= (seen := await self.visible()):
+            assert time.monotonic() < deadline, f"stored-after-forget keys never arrived: {seen}"
+            await asyncio.sleep(0.02)  # polling another process's state, bounded by deadline
+        assert seen <= self.truth()
+        return seen
+
+    async def health_outage(self) -> PublisherProcess:
+        """An engine with a health endpoint, converged, whose health then fails: ENGINE_DOWN."""
+        pub = self.start_engine(health=True)
+        self.start_sidecar()
+        self.workload(500)
+        await self.converge()
+        pub.call("health", ok=False)
+        await self.settle(lambda s: s["state"] == "ENGINE_DOWN")
+        return pub
+
+    def workload(self, events: int = 2000, **kw: Any) -> None:
+        assert self.pub is not None
+        kw.setdefault("mediums", ["GPU", "CPU"])
+        self.pub.call("workload", events=events, wait=True, dup_prob=0.3, **kw)
+
+    def close(self) -> None:
+        if self.pub is not None:
+            self.pub.close()
+
+
+@pytest.fixture
+async def z(h: Harness, tmp_path: Path) -> AsyncIterator[ZmqHarness]:
+    zh = ZmqHarness(h, tmp_path)
+    yield zh
+    zh.close()
+
+
+def _forgets(st: dict[str, Any]) -> dict[str, int]:
+    return dict(st.get("zmq_forgets", {}))
+
+
+@pytest.mark.parametrize(
+    ("flavour", "encoding", "hash_kind", "mediums"),
+    [
+        ("vllm", "map", "int", ["GPU", "CPU"]),
+        ("vllm", "positional", "bytes", ["GPU", "STORAGE"]),
+        ("sglang", "positional", "int", ["GPU", "CPU_PINNED", "DISK"]),
+        ("vllm", "positional_v0", "int", ["GPU"]),
+    ],
+)
+async def test_zmq_source_steady_state_with_duplicates_matches_truth(
+    z: ZmqHarness, flavour: str, encoding: str, hash_kind: str, mediums: list[str]
+) -> None:
+    z.start_engine(flavour=flavour, encoding=encoding, hash_kind=hash_kind)
+    z.start_sidecar()
+    z.workload(3000, mediums=mediums)
+    seen = await z.converge()
+    assert {m for _, m in seen} == {KVCM_MEDIUM[m] for m in mediums}
+    st = await z.settle(lambda s: s["state"] == "READY")
+    assert _forgets(st) == {}
+
+
+async def test_zmq_source_covered_gap_is_replayed_without_a_forget(z: ZmqHarness) -> None:
+    pub = z.start_engine()
+    z.start_sidecar()
+    z.workload(1000)
+    await z.converge()
+    pub.call("gap", batches=5)  # dropped on the PUB socket, kept in the replay buffer
+    z.workload(1000, seed=2)
+    await z.converge()
+    st = await z.settle(lambda s: s["zmq_gaps"] >= 1 and s["zmq_replays"].get("covered", 0) >= 2)
+    assert _forgets(st) == {}
+
+
+async def test_zmq_source_uncovered_gap_forgets_and_rebuilds(z: ZmqHarness) -> None:
+    pub = z.start_engine()
+    z.start_sidecar()
+    first = pub.call("store", n=20, medium="GPU", step=True)
+    await z.converge()
+    pub.call("gap", batches=1, evict=True)  # the removal never arrives and is not replayable
+    pub.call("remove", hashes=first["hashes"][:10], medium="GPU", step=True)
+    later = pub.call("store", n=5, medium="CPU", step=True)["keys"]
+    st = await z.settle(lambda s: _forgets(s).get("replay_uncovered", 0) >= 1)
+    seen = await z.rebuilt({(k, "mem") for k in later})  # nothing the engine dropped stays
+    assert not {(k, "hbm") for k in first["keys"][:10]} & seen
+    assert st["zmq_gaps"] >= 1
+
+
+async def test_zmq_source_engine_restart_with_seq_reset_forgets(z: ZmqHarness) -> None:
+    pub = z.start_engine()
+    z.start_sidecar()
+    z.workload(1000)
+    await z.converge()
+    pub.call("restart")  # seq back to 0, empty cache, empty replay buffer
+    z.workload(500, seed=3)
+    await z.converge()
+    st = await z.settle(lambda s: _forgets(s).get("engine_restart", 0) >= 1)
+    assert st["state"] in ("READY", "RESYNCING")
+
+
+async def test_zmq_source_all_blocks_cleared_forgets(z: ZmqHarness) -> None:
+    pub = z.start_engine()
+    z.start_sidecar()
+    z.workload(1000)
+    await z.converge()
+    pub.call("clear", step=True)
+    pub.call("store", n=7, medium="CPU", step=True)
+    seen = await z.converge()
+    assert len(seen) == 7
+    await z.settle(lambda s: _forgets(s).get("all_blocks_cleared", 0) >= 1)
+
+
+async def test_zmq_source_dp_rank_and_block_size_mismatches_are_dropped(z: ZmqHarness) -> None:
+    pub = z.start_engine()
+    z.start_sidecar()
+    pub.call("store", n=5, medium="GPU", step=False)
+    pub.call("step", dp_rank=3)  # another rank's batch on our socket: none of it is ours
+    pub.call("store", n=4, medium="GPU", block_size=32, step=True)  # not our block size
+    pub.call("store", n=3, medium="GPU", step=True)
+    seen = await z.converge()
+    assert len(seen) == 3
+    st = await z.settle(lambda s: s["zmq_drops"].get("block_size", 0) >= 1)
+    assert _forgets(st) == {}
+    text = await z.h.metrics()
+    assert 'kvcm_sidecar_zmq_batches_total{outcome="dp_rank"} 1.0' in text
+
+
+async def test_zmq_source_malformed_frames_and_payloads_never_stop_it(z: ZmqHarness) -> None:
+    pub = z.start_engine(flavour="vllm", encoding="positional")
+    z.start_sidecar()
+    z.workload(500)
+    for n, kind in enumerate(("frame_count", "seq_bytes", "not_msgpack", "shape", "unknown_event")):
+        pub.call("malformed", kind=kind)  # payload kinds: replay gives a good copy
+        z.workload(100, seed=n)
+        await z.converge()
+    st = await z.settle(
+        lambda s: (
+            s["zmq_decode_errors"].get("frame_shape", 0) == 2
+            and s["zmq_decode_errors"].get("not_msgpack", 0) == 2
+            and s["zmq_drops"].get("unknown_event", 0) == 1
+        )
+    )
+    assert _forgets(st) == {}  # every damaged batch was fetched again
+    pub.call("malformed", kind="field_types", replay_as="same")  # damaged in the buffer too
+    later = pub.call("store", n=4, medium="CPU", step=True)["keys"]
+    await z.settle(lambda s: _forgets(s).get("malformed_replay", 0) >= 1)
+    await z.rebuilt({(k, "mem") for k in later})  # the lost batch's changes: forgotten
+    assert z.h.sidecar is not None and z.h.sidecar.p.poll() is None
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+async def test_zmq_source_sidecar_sigkill_restart_replays_without_forgetting(
+    z: ZmqHarness, checkpoint: bool
+) -> None:
+    """With a checkpoint: replay from its seq proves continuity; without: replay from 0."""
+    z.start_engine()
+    side = z.start_sidecar()
+    z.workload(1500)
+    await z.converge()
+    if checkpoint:
+        await z.settle(lambda s: 0 <= s["checkpoint_age_s"] < 1 and s["last_seq"] > 0)
+    side.kill()  # SIGKILL: no shutdown checkpoint, no HOST_DOWN
+    if not checkpoint:
+        for f in z.state_dir.glob("*"):
+            f.unlink()
+    z.workload(700, seed=4)  # the engine goes on while the sidecar is down
+    z.start_sidecar()
+    await z.converge()
+    st = await z.settle(lambda s: s["state"] == "READY")
+    assert _forgets(st) == {}
+    assert st["zmq_replays"].get("covered", 0) >= 1
+
+
+async def test_zmq_source_engine_restarted_while_sidecar_down_is_caught(z: ZmqHarness) -> None:
+    """The checkpoint's seq exists in the new life too: its digest differs, so forget."""
+    pub = z.start_engine()
+    side = z.start_sidecar()
+    z.workload(600)
+    await z.converge()
+    await z.settle(lambda s: 0 <= s["checkpoint_age_s"] < 1 and s["last_seq"] > 0)
+    last = (await z.h.status())["last_seq"]
+    side.kill()
+    pub.call("restart")
+    while pub.call("stats")["next_seq"] <= last + 3:  # the new life passes the checkpoint seq
+        z.workload(200, seed=pub.call("stats")["next_seq"])
+    z.start_sidecar()
+    await z.converge()  # the whole new life was still in the buffer: exact again
+    st = await z.settle(lambda s: _forgets(s).get("checkpoint_unproven", 0) >= 1)
+    assert st["zmq_replays"].get("restart", 0) >= 1
+
+
+async def test_zmq_source_health_failing_is_engine_down_then_recovers(z: ZmqHarness) -> None:
+    pub = await z.health_outage()
+    await z.h.reporter_until(lambda r: not r["visible"])  # HOST_DOWN: KVCM hides our keys
+    pub.call("health", ok=True)
+    z.workload(200, seed=5)
+    await z.converge()
+    st = await z.settle(lambda s: s["state"] == "READY")
+    assert _forgets(st) == {}  # the same engine life: the replay proved it
+
+
+async def test_zmq_source_without_replay_endpoint_forgets_on_a_gap(z: ZmqHarness) -> None:
+    pub = z.start_engine(replay_endpoint=None)
+    z.start_sidecar()
+    first = pub.call("store", n=10, medium="GPU", step=True)
+    await z.converge()
+    pub.call("gap", batches=1)
+    pub.call("remove", hashes=first["hashes"], medium="GPU", step=True)
+    pub.call("store", n=3, medium="GPU", step=True)
+    await z.converge()
+    st = await z.settle(lambda s: _forgets(s).get("no_replay_endpoint", 0) >= 1)
+    assert st["zmq_gaps"] >= 1
+
+
+async def test_zmq_source_metrics_every_documented_metric_exported(z: ZmqHarness) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sidecar.metrics.registry import METRICS, RING_ONLY
+
+    z.start_engine()
+    z.start_sidecar()
+    z.workload(300)
+    await z.converge()
+    families = {f.name: f.type for f in text_string_to_metric_families(await z.h.metrics())}
+    for name, (kind, _help) in METRICS.items():
+        if name not in RING_ONLY:
+            assert families.get(name) == kind, (name, families.get(name))
+    text = await z.h.metrics()
+    assert 'kvcm_sidecar_zmq_events_total{medium="mem",type="BlockStored"}' in text
+
+
+async def test_zmq_source_engine_restarted_during_health_outage_is_a_new_life(
+    z: ZmqHarness,
+) -> None:
+    pub = await z.health_outage()
+    pub.call("restart")  # the engine came back as a new process: empty cache, seq from 0
+    z.workload(300, seed=6)
+    pub.call("health", ok=True)
+    await z.converge()  # exactly the new life: nothing of the old one stays in KVCM
+    st = await z.settle(lambda s: s["state"] == "READY")
+    assert _forgets(st).get("engine_restart", 0) >= 1
+
+
+async def test_zmq_source_endpoint_conflict_exits_1_naming_the_endpoint(z: ZmqHarness) -> None:
+    z.start_engine()  # the engine binds its PUB endpoint
+    assert z.pub is not None
+    settings = {
+        **ZMQ_SETTINGS,
+        "source.zmq.endpoint": z.pub.ready["pub"],
+        "source.zmq.bind": "true",  # wrong: both sides bind
+        "source.state_dir": str(z.state_dir),
+    }
+    side = z.h.start_sidecar(**settings)
+    line = side.wait_line("cannot bind")
+    assert z.pub.ready["pub"] in line and "source.zmq.bind" in line
+    assert side.p.wait(timeout=20) == 1
+
+
+async def test_zmq_source_sidecar_started_before_its_engine_forgets_nothing(
+    z: ZmqHarness,
+) -> None:
+    """As a Kubernetes native sidecar starts: before the engine binds its ports."""
+    import socket
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            ports.append(sk.getsockname()[1])
+    pub_ep, rep_ep = (f"tcp://127.0.0.1:{p}" for p in ports)
+    z.h.start_sidecar(
+        **{
+            **ZMQ_SETTINGS,
+            "source.zmq.endpoint": pub_ep,
+            "source.zmq.replay_endpoint": rep_ep,
+            "source.zmq.replay_timeout_s": "0.3",
+            "source.state_dir": str(z.state_dir),
+        }
+    )
+    await z.settle(lambda s: s["zmq_replays"].get("timeout", 0) >= 1)  # nobody answered
+    pub = z.start_engine(endpoint=pub_ep, replay_endpoint=rep_ep, bind=True)
+    pub.call("wait_subscribers", n=1)
+    z.workload(800)
+    await z.converge()
+    st = await z.settle(lambda s: s["state"] == "READY")
+    assert _forgets(st) == {}

@@ -1,0 +1,326 @@
+"""ZMQ source: decode + count fold == a reference count model; decode never raises; the seq,
+replay and forget rules of `Stream`, driven directly (no sockets, an injected clock)."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidecar.key_state import KeyState
+from sidecar.source import checkpoint as ckpt
+from sidecar.source.block_counts import BlockCounts
+from sidecar.source.zmq import Stream
+from sidecar.source.zmq_events import EventDecoder, fold_hashes
+
+MEDIUM_INDEX = {"GPU": 0, "CPU": 1, "DISK": 2}
+M64 = (1 << 64) - 1
+
+
+def signed(v: int) -> int:
+    v &= M64
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def key_of(h: int | bytes) -> int:
+    return signed(int.from_bytes(h, "big") if isinstance(h, bytes) else h)
+
+
+# One op: (kind, hash pool index, medium, group, block_size). Few distinct hashes: many repeats.
+HASHES = st.sampled_from(
+    [0, 1, 2**63, M64, 2**63 - 1, 12345]
+    + [bytes([i]) * 32 for i in range(3)]
+    + [b"\x01" * 16]  # not 32 bytes: folded one by one
+)
+OP = st.tuples(
+    st.sampled_from(["s", "s", "s", "r", "r", "c"]),
+    st.lists(HASHES, min_size=1, max_size=4),
+    st.sampled_from([None, "GPU", "CPU", "DISK", "TAPE"]),
+    st.sampled_from([None, 0, 1]),
+    st.sampled_from([16, 16, 16, 32]),
+)
+OPS = st.lists(OP, max_size=60)
+
+
+def event(op: tuple[str, list[Any], str | None, int | None, int], positional: bool) -> Any:
+    kind, hashes, medium, group, bs = op
+    if kind == "c":
+        return ["AllBlocksCleared"] if positional else {"type": "AllBlocksCleared"}
+    if kind == "s":
+        fields = {
+            "block_hashes": hashes,
+            "parent_block_hash": None,
+            "token_ids": list(range(bs)),
+            "block_size": bs,
+            "lora_id": None,
+            "medium": medium,
+            "lora_name": None,
+            "extra_keys": None,
+            "group_idx": group,
+        }
+        name = "BlockStored"
+    else:
+        fields = {"block_hashes": hashes, "medium": medium, "group_idx": group}
+        name = "BlockRemoved"
+    if positional:
+        return [name, *fields.values()]
+    return {"type": name, **fields, "a_field_from_the_future": [1, 2]}
+
+
+def reference(ops: list[Any]) -> dict[tuple[int, int, int], int]:
+    """Counts per (key, medium, group): +1 per stored hash, -1 per removed (never below 0)."""
+    c: dict[tuple[int, int, int], int] = {}
+    for kind, hashes, medium, group, bs in ops:
+        if kind == "c":
+            c.clear()
+            continue
+        mi = MEDIUM_INDEX.get(medium or "GPU")
+        if mi is None or (kind == "s" and bs != 16):
+            continue
+        for h in hashes:
+            t = (key_of(h), mi, group or 0)
+            n = c.get(t, 0) + (1 if kind == "s" else -1)
+            if n > 0:
+                c[t] = n
+            else:
+                c.pop(t, None)
+    return c
+
+
+def stream(keys: KeyState | None = None, clock: Any = None) -> Stream:
+    ks = keys or KeyState((0,))
+    kw = {"clock": clock} if clock is not None else {}
+    return Stream(
+        EventDecoder(MEDIUM_INDEX, 16, 0),
+        BlockCounts(ks),
+        dp_rank=0,
+        can_replay=True,
+        replay_timeout_s=2.0,
+        **kw,
+    )
+
+
+def payload(events: list[Any], dp_rank: int | None = 0) -> bytes:
+    return msgspec.msgpack.encode([1.0, events, dp_rank])
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=OPS, cuts=st.lists(st.integers(0, 60), max_size=8), positional=st.booleans())
+def test_zmq_decode_and_fold_equals_reference_count_model(
+    ops: list[Any], cuts: list[int], positional: bool
+) -> None:
+    ks = KeyState((0,))
+    s = stream(ks)
+    bounds = sorted({0, len(ops), *[min(c, len(ops)) for c in cuts]})
+    for seq, (a, b) in enumerate(itertools.pairwise(bounds)):
+        s.on_live(seq, payload([event(op, positional) for op in ops[a:b]]))
+        if seq % 2:
+            s.flush()  # folds of one batch and of several batches at once agree
+    s.flush()
+    want = reference(ops)
+    assert s.counts.counts() == want
+    held = {(k, m) for (k, m, g) in want if g == 0}
+    published = {(k, m) for m in range(3) for k in ks.published_keys(m).tolist()}
+    assert published == held
+
+
+@settings(max_examples=500)
+@given(data=st.binary(max_size=200))
+def test_zmq_decode_never_raises_on_random_bytes(data: bytes) -> None:
+    d = EventDecoder(MEDIUM_INDEX, 16).decode(data)
+    assert d.ok or d.error
+
+
+MSGPACKABLE = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), M64)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8)
+    | st.binary(max_size=40)
+    | st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "type"]),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=6), inner, max_size=5)
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=500)
+@given(obj=MSGPACKABLE)
+def test_zmq_decode_never_raises_on_random_msgpack(obj: Any) -> None:
+    d = EventDecoder(MEDIUM_INDEX, 16).decode(msgspec.msgpack.encode(obj))
+    assert d.ok or d.error
+
+
+@given(hashes=st.lists(st.integers(-(2**63), M64) | st.binary(max_size=40), max_size=20))
+def test_zmq_fold_hashes_keeps_the_low_64_bits(hashes: list[int | bytes]) -> None:
+    assert fold_hashes(hashes).tolist() == [key_of(h) for h in hashes]
+
+
+def stored(*hashes: int, medium: str = "GPU") -> dict[str, Any]:
+    return {"type": "BlockStored", "block_hashes": list(hashes), "block_size": 16, "medium": medium}
+
+
+def removed(*hashes: int) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": list(hashes)}
+
+
+def replaying(s: Stream) -> bool:
+    """Read through a call: mypy would keep `s.replay` narrowed across the calls between."""
+    return s.replay is not None
+
+
+def published(s: Stream) -> set[int]:
+    s.flush()
+    return set(s.counts.keys.published_keys().tolist())
+
+
+def test_zmq_stream_duplicate_stores_hold_until_every_copy_is_removed() -> None:
+    s = stream()
+    s.on_live(0, payload([stored(7, 7)]))
+    s.on_live(1, payload([removed(7)]))
+    assert published(s) == {7}
+    s.on_live(2, payload([removed(7)]))
+    assert published(s) == set()
+
+
+def test_zmq_stream_gap_replays_first_then_held_live_and_skips_duplicates() -> None:
+    s = stream()
+    p = [payload([stored(10 + k)]) for k in range(6)]
+    s.on_live(0, p[0])
+    s.on_live(2, p[2])  # seq 1 is missing
+    assert s.want_replay == 0 and replaying(s)  # from the last applied: its proof
+    for seq in range(5):  # the engine's buffer also holds 3 and 4, not received live yet
+        s.on_replayed(seq, p[seq])
+    s.on_replay_end()
+    assert not replaying(s) and published(s) == {10, 11, 12, 13, 14}
+    s.on_live(3, p[3])  # live copies of replayed batches, still in flight: skipped
+    s.on_live(4, p[4])
+    s.on_live(5, p[5])
+    assert s.forgets == {} and s.batches["duplicate"] == 3 and s.expected == 6
+    assert published(s) == {10, 11, 12, 13, 14, 15}
+
+
+def test_zmq_stream_uncovered_gap_forgets_then_follows() -> None:
+    s = stream()
+    s.on_live(0, payload([stored(10)]))
+    s.on_live(5, payload([stored(15)]))
+    s.on_replayed(4, payload([removed(10)]))  # the buffer starts after the last applied
+    s.on_replayed(5, payload([stored(15)]))
+    s.on_replay_end()
+    assert s.forgets == {"replay_uncovered": 1} and s.forget_pending
+    assert published(s) == {15}
+
+
+def test_zmq_stream_replay_timeout_forgets_and_applies_the_held_live_batches() -> None:
+    now = [0.0]
+    s = stream(clock=lambda: now[0])
+    s.on_live(0, payload([stored(1)]))
+    s.on_live(2, payload([stored(3)]))
+    now[0] = 2.5
+    assert s.check_deadline()
+    assert s.forgets == {"replay_timeout": 1} and published(s) == {3}
+
+
+def test_zmq_stream_seq_back_to_zero_is_an_engine_restart() -> None:
+    s = stream()
+    inc = s.incarnation
+    s.on_live(0, payload([stored(1)]))
+    s.on_live(1, payload([stored(2)]))
+    s.on_live(0, payload([stored(9)]))
+    assert s.forgets == {"engine_restart": 1} and published(s) == {9}
+    assert s.incarnation != inc and s.forget_pending
+
+
+def test_zmq_stream_checkpoint_proof_differs_forgets_and_reasks_from_zero() -> None:
+    s = stream()
+    s.start(ckpt.Checkpoint(3, ckpt.digest(b"old life"), []), loaded=True)
+    assert s.want_replay == 3
+    s.on_replayed(3, payload([stored(30)]))  # another batch under seq 3: another life
+    assert s.forgets == {"checkpoint_unproven": 1} and replaying(s)
+    assert s.replay is not None and s.replay.start == 0
+    s.on_replayed(4, payload([]))  # the rest of the old reply: discarded
+    s.on_replay_end()
+    for seq, k in enumerate((40, 41, 42)):
+        s.on_replayed(seq, payload([stored(k)]))
+    s.on_replay_end()
+    assert not replaying(s) and published(s) == {40, 41, 42}
+
+
+def test_zmq_stream_all_blocks_cleared_forgets() -> None:
+    s = stream()
+    s.on_live(0, payload([stored(1, 2), {"type": "AllBlocksCleared"}, stored(3)]))
+    assert published(s) == {3} and s.forgets == {"all_blocks_cleared": 1}
+
+
+def test_zmq_stream_foreign_dp_rank_is_dropped_but_consumes_its_seq() -> None:
+    s = stream()
+    s.on_live(0, payload([stored(1)], dp_rank=4))
+    s.on_live(1, payload([stored(2)], dp_rank=None))  # vLLM without DP omits the rank
+    assert published(s) == {2} and s.batches["dp_rank"] == 1 and s.gaps == 0
+
+
+def test_zmq_checkpoint_round_trip_and_corruption(tmp_path: Path) -> None:
+    path = ckpt.path_for(str(tmp_path), "i", 0, "tcp://e:1")
+    tables = [("hbm", 0, np.array([-1, 5], np.int64), np.array([2, 1], np.int64))]
+    ckpt.save(path, "i", 0, "tcp://e:1", ckpt.Checkpoint(9, b"d" * 16, tables))
+    got = ckpt.load(path, "i", 0, "tcp://e:1")
+    assert got is not None and got.last_seq == 9 and got.digest == b"d" * 16
+    assert got.tables[0][2].tolist() == [-1, 5] and got.tables[0][3].tolist() == [2, 1]
+    with pytest.raises(ckpt.CheckpointError):
+        ckpt.load(path, "other", 0, "tcp://e:1")
+    Path(path).write_bytes(b"\x93garbage")
+    with pytest.raises(ckpt.CheckpointError):
+        ckpt.load(path, "i", 0, "tcp://e:1")
+    assert ckpt.load(str(tmp_path / "none.ckpt"), "i", 0, "tcp://e:1") is None
+
+
+def test_zmq_stream_a_hole_the_replay_did_not_fill_forgets_once_not_forever() -> None:
+    s = stream()
+    s.on_live(0, payload([stored(1)]))
+    s.on_live(1 << 40, payload([stored(2)]))  # a bogus (or unbuffered) seq reveals a "gap"
+    s.on_replayed(0, payload([stored(1)]))
+    s.on_replay_end()  # the engine had nothing after 0: the hole is not in its buffer
+    assert not replaying(s) and s.forgets == {"replay_uncovered": 1}
+    assert published(s) == {2}
+
+
+def test_zmq_stream_a_replay_outrun_by_the_live_stream_is_abandoned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sidecar.source import zmq as Z
+
+    monkeypatch.setattr(Z, "MAX_HELD_LIVE", 3)
+    s = stream()
+    s.on_live(0, payload([stored(1)]))
+    for seq in range(2, 6):  # a gap, then more live batches than may be held
+        s.on_live(seq, payload([stored(seq)]))
+    assert not replaying(s) and s.forgets == {"live_backlog": 1}
+    assert published(s) == {5} and s.expected == 6
+    s.on_replayed(0, payload([stored(1)]))  # the old reply, still coming: ignored
+    s.on_replay_end()
+    s.on_live(6, payload([stored(6)]))
+    assert published(s) == {5, 6} and s.forgets == {"live_backlog": 1}
+
+
+def test_zmq_stream_unanswered_start_replay_is_no_forget() -> None:
+    """A sidecar started before its engine: nothing was held, so nothing is forgotten."""
+    now = [0.0]
+    s = stream(clock=lambda: now[0])
+    s.start(None, loaded=False)
+    assert s.want_replay == 0
+    now[0] = 3.0
+    assert s.check_deadline() and s.forgets == {} and s.replays["timeout"] == 1
+    s.on_live(3, payload([stored(4)]))  # the engine came up meanwhile: ask for its start
+    assert replaying(s) and s.want_replay == 0
+    for seq in range(4):
+        s.on_replayed(seq, payload([stored(seq + 1)]))
+    s.on_replay_end()
+    assert published(s) == {1, 2, 3, 4} and s.forgets == {}
