@@ -93,10 +93,7 @@ class RingWriter:
         n = len(keys)
         if n == 0:
             return 0
-        free = self.free_slots(n)
-        m = n if n <= free else max(free, 0)
-        h = self.seg.hdr
-        self._attempted += n
+        m = self._room(n)
         if m:
             start = self._tail & self._mask
             first = min(m, self.capacity - start)
@@ -116,14 +113,7 @@ class RingWriter:
                 ]  # seq after the payload: a slot is valid once it matches
             self._seq += m
             self._tail += m
-        if m < n:
-            self._dropped += n - m
-            h[L.W_DROPPED] = self._dropped
-        h[L.W_ATTEMPTED] = self._attempted
-        h[L.W_LAST_SEQ] = self._seq
-        h[L.W_TAIL] = self._tail  # the publishing store
-        if m:
-            self._bell.ring_if_idle(h)
+        self._publish(n, m)
         return m
 
     def write_words(self, keys: array[int], metas: array[int]) -> int:
@@ -133,10 +123,7 @@ class RingWriter:
         n = len(keys)
         if n == 0:
             return 0
-        free = self.free_slots(n)
-        m = n if n <= free else max(free, 0)
-        h = self.seg.hdr
-        self._attempted += n
+        m = self._room(n)
         if m:
             start = self._tail & self._mask
             sw = self._words
@@ -160,14 +147,7 @@ class RingWriter:
                     sw[b:e:4] = array("Q", range(seq + 1 + lo, seq + 1 + hi))
             self._seq = seq + m
             self._tail += m
-        if m < n:
-            self._dropped += n - m
-            h[L.W_DROPPED] = self._dropped
-        h[L.W_ATTEMPTED] = self._attempted
-        h[L.W_LAST_SEQ] = self._seq
-        h[L.W_TAIL] = self._tail  # the publishing store
-        if m:
-            self._bell.ring_if_idle(h)
+        self._publish(n, m)
         return m
 
     def write_pairs(self, pairs: list[tuple[int, int]]) -> int:
@@ -176,8 +156,7 @@ class RingWriter:
         `pairs` are (key, meta) with key already in [-2^63, 2^64); same semantics as write().
         """
         n = len(pairs)
-        free = self.free_slots(n)
-        m = n if n <= free else max(free, 0)
+        m = self._room(n)
         sw = self._words
         mask = self._mask
         tail = self._tail
@@ -192,17 +171,28 @@ class RingWriter:
             tail += 1
         self._seq = seq
         self._tail = tail
-        h = self.seg.hdr
+        self._publish(n, m)
+        return m
+
+    def _room(self, n: int) -> int:
+        """How many of n records to write (drop-newest beyond the free slots); all n count as
+        attempted."""
         self._attempted += n
+        free = self.free_slots(n)
+        return n if n <= free else max(free, 0)
+
+    def _publish(self, n: int, m: int) -> None:
+        """After m of n records were written: counters, the tail (the publishing store), then
+        the doorbell if the reader sleeps."""
+        h = self.seg.hdr
         if m < n:
             self._dropped += n - m
             h[L.W_DROPPED] = self._dropped
         h[L.W_ATTEMPTED] = self._attempted
-        h[L.W_LAST_SEQ] = seq
-        h[L.W_TAIL] = tail
+        h[L.W_LAST_SEQ] = self._seq
+        h[L.W_TAIL] = self._tail  # the publishing store
         if m:
             self._bell.ring_if_idle(h)
-        return m
 
     def stamp(self) -> None:
         self.seg.hdr[L.W_LIVENESS_NS] = time.monotonic_ns()
