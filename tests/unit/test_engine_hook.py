@@ -203,6 +203,7 @@ def test_hook_after_close_counts_and_does_not_raise(ring_name: str) -> None:
 def test_hook_corrupt_ring_flush_counted(ring_name: str) -> None:
     hook = _attach(ring_name, start_flusher=False)
     hook._writer._slots = None  # type: ignore[assignment]  # simulate a broken mapping
+    hook._writer._words = None  # type: ignore[assignment]
     hook.stored([1, 2])
     assert hook.flush() == 0
     assert hook.stats()["problems"]["flush_failed"] == 1
