@@ -302,6 +302,17 @@ class Hook:
         chunk = staged[:n]  # slicing and deleting are single atomic list operations
         del staged[:n]
         self._flushes += 1
+        try:
+            return self._publish_chunk(chunk)
+        except Exception:
+            # The ring or the resident set may lack this chunk: put it back first in line so
+            # the next flush publishes it again, in order. Nothing is lost, and a transition
+            # written twice in the same order ends in the same state (flush() counts the error).
+            staged[0:0] = chunk
+            raise
+
+    def _publish_chunk(self, chunk: list[tuple[Any, int]]) -> int:
+        n = len(chunk)
         if (
             n <= SCALAR_FLUSH_MAX
             and type(chunk[0][0]) is int
@@ -389,8 +400,13 @@ class Hook:
         visible to the provider.
         """
         self._provider = provider
-        threaded = self._thread is not None
-        self._resident = None if provider is not None else self._new_resident(threaded)
+        if provider is not None:
+            self._resident = None
+        elif self._resident is None:
+            # The provider knew the cache; the hook saw its transitions but kept no record, so a
+            # new resident set starts empty and a resync would miss keys stored before now.
+            self._problem("provider_removed", "the hook's own record starts empty now")
+            self._resident = self._new_resident(self._thread is not None)
 
     @staticmethod
     def _new_resident(threaded: bool) -> ResidentSet:
@@ -536,8 +552,10 @@ class Hook:
                 self._thread.join(timeout=1.0)
             self.flush(wait=True)
             with self._flush_lock:
-                self._closed = True
                 self._append = self._closed_append
+                # What the engine staged between that flush and the swap is published too.
+                self._publish_staged()
+                self._closed = True
                 self._writer.close()
                 self._snap.close()
                 self._seg.close()

@@ -101,7 +101,6 @@ class ResidentSet:
             return
         keys = np.concatenate([_np(q, np.int64) for q in self._queue_k])
         metas = np.concatenate([_np(q, np.uint64) for q in self._queue_m])
-        self._queue_k, self._queue_m, self._queued = [], [], 0
         kinds = metas & np.uint64(0xFF)
         start = 0
         for c in np.flatnonzero(kinds == KIND_CLEARED).tolist():
@@ -109,6 +108,9 @@ class ResidentSet:
             self._tables = {0: self._table()}  # every medium and group gone
             start = c + 1
         self._fold_segment(keys[start:], metas[start:])
+        # Only now: a fold that raised (MemoryError while a table grows) keeps the queue, and
+        # folding it again is harmless (the same ops in the same order end in the same state).
+        self._queue_k, self._queue_m, self._queued = [], [], 0
 
     def _fold_segment(self, keys: np.ndarray, metas: np.ndarray) -> None:
         if not len(keys):
