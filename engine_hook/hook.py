@@ -3,27 +3,32 @@
 Imports: stdlib, numpy, sidecar.shm_ring. Invariants: no public method raises into the engine or
 blocks on the sidecar; every failure is counted in `stats()` and logged at most once per reason per
 interval. Records are staged in a list (one atomic `append` per call under the GIL) and published
-by `flush()`; a background thread flushes every `max_stage_delay_ms`, so no record waits longer
-than that plus one GIL switch interval even when the engine goes idle.
+by `flush()`. A background flusher sleeps while nothing is staged (a liveness stamp once a second)
+and publishes what the engine leaves staged within `max_stage_delay_ms` (docs/ring.md, "Producer
+protocol"); it never wakes per engine step of an engine that flushes itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import time
+from array import array
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from engine_hook import resident
 from engine_hook.descriptor import Descriptor
 from engine_hook.resident import ResidentSet
 from sidecar.shm_ring import layout as L
+from sidecar.shm_ring.doorbell import EngineBell
 from sidecar.shm_ring.segment import Segment
 from sidecar.shm_ring.snapshot import SnapshotWriter
-from sidecar.shm_ring.writer import RingWriter
+from sidecar.shm_ring.writer import WORDS_MAX, RingWriter
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +37,23 @@ SnapshotProvider = Callable[
 ]
 _I64_MIN = -(1 << 63)
 _U64_END = 1 << 64
+_U64_MASK = _U64_END - 1
 LOG_INTERVAL_S = 60.0
 SCALAR_FLUSH_MAX = 16
+# The flusher's liveness stamp period while idle; the sidecar declares an engine dead only after
+# engine.stale_after_s (default 5 s) without a stamp.
+STAMP_S = 1.0
+# While the engine flushes itself the flusher is only a safety net: it looks every
+# SELF_FLUSH_FACTOR * max_stage_delay_ms (100 ms by default, at most STAMP_S) instead of every
+# max_stage_delay_ms, because each wake-up of a thread costs ~20 us of CPU on a VM.
+SELF_FLUSH_FACTOR = 20
+FOLD_BEHIND = 1 << 16  # queued resident records at which the engine's own flush folds
+
+
+class _Mode:
+    QUIET = "quiet"  # nothing staged: asleep until the stamp; the first staging posts the bell
+    WATCH = "watch"  # records staged that the engine does not flush: publish every delay
+    SELF = "self"  # the engine flushes itself: look every SELF_FLUSH_FACTOR * delay
 
 
 class _RateLimitedLog:
@@ -100,6 +120,26 @@ def split_keys(keys: Any) -> tuple[np.ndarray, Exception | None]:
 _NO_KEYS = np.empty(0, np.int64)
 
 
+def _key_words(flat: list[Any]) -> array[int] | None:
+    """`flat` as u64 words of KVCM's signed bit pattern if every key is an int in
+    [-2^63, 2^64), else None. One C-level conversion checks and converts: what a flush of a
+    step's lists costs per key. (A bool inside a list passes as 0 or 1, as int() would.)"""
+    try:
+        return array("Q", flat)
+    except OverflowError:
+        pass  # a negative key: KVCM's signed spelling
+    except TypeError:
+        return None
+    try:
+        return array("Q", array("q", flat).tobytes())
+    except OverflowError:  # signed and unsigned spellings mixed, or a key beyond 64 bits
+        if all(type(k) is int and _I64_MIN <= k < _U64_END for k in flat):
+            return array("Q", [k & _U64_MASK for k in flat])
+    except TypeError:
+        pass
+    return None
+
+
 class Hook:
     """Publishes one replica's cache transitions. Create it with `engine_hook.attach()`."""
 
@@ -116,7 +156,7 @@ class Hook:
         self._seg = segment
         self._writer = RingWriter(segment, descriptor=descriptor.to_json())
         self._snap = SnapshotWriter(segment)
-        self._resident: ResidentSet | None = ResidentSet()
+        self._resident: ResidentSet | None = self._new_resident(start_flusher)
         self._provider: SnapshotProvider | None = None
         self._staged: list[tuple[Any, int]] = []
         self._append = self._staged.append
@@ -140,23 +180,38 @@ class Hook:
             for i, name in enumerate(self._mediums):
                 self._stored_meta[(g, name)] = L.pack_meta(L.KIND_STORED, g, i)
                 self._removed_meta[(g, name)] = L.pack_meta(L.KIND_REMOVED, g, i)
-        self._stop = threading.Event()
+        self._stopping = False
         self._thread: threading.Thread | None = None
         self._delay_s = descriptor.max_stage_delay_ms / 1000.0
+        self._self_check_s = min(STAMP_S, max(self._delay_s, SELF_FLUSH_FACTOR * self._delay_s))
+        self._mode = _Mode.QUIET
+        self._own_flushes = 0  # publishes made by the flusher thread (the rest are the engine's)
+        self._engine_flushes_seen = 0
+        self._next_stamp = 0.0
+        self._turns = 0
+        self._bell = EngineBell(segment.name) if start_flusher else None
         if start_flusher:
+            self._arm()
             self._thread = threading.Thread(
                 target=self._flush_loop, name="kvcm-hook-flusher", daemon=True
             )
             self._thread.start()
 
-    # ---- hot path -------------------------------------------------------------------------
+    # ---- hot path ----------------------------------------------------------------------------
+    # A call only stages: (int or list copy or int64 array copy, meta). Keys are checked and
+    # converted once per flush for the whole step (two numpy calls instead of a Python loop per
+    # key and call); copies, because an engine may reuse its list or array after the call.
     def stored(self, keys: Any, group: int = 0, medium: str | None = None) -> None:
         """Blocks with these keys now hold `group`'s KV in `medium` (default: the descriptor's).
         Never raises, never blocks."""
         try:
             meta = self._stored_meta[group if medium is None else (group, medium)]
-            if type(keys) is int:
+            t = type(keys)
+            if t is int:
                 self._append((keys, meta))
+            elif t is list:
+                if keys:
+                    self._append((keys[:], meta))
             else:
                 self._stage_many(keys, meta)
         except Exception as exc:  # the engine must never see our failures
@@ -166,8 +221,12 @@ class Hook:
         """Blocks with these keys no longer hold `group`'s KV in `medium` (evicted or freed)."""
         try:
             meta = self._removed_meta[group if medium is None else (group, medium)]
-            if type(keys) is int:
+            t = type(keys)
+            if t is int:
                 self._append((keys, meta))
+            elif t is list:
+                if keys:
+                    self._append((keys[:], meta))
             else:
                 self._stage_many(keys, meta)
         except Exception as exc:
@@ -183,11 +242,23 @@ class Hook:
     def _stage_many(self, keys: Any, meta: int) -> None:
         if type(keys) is bool:
             raise TypeError("a bool is not a block key")
-        arr, bad = split_keys(keys)
-        if len(arr):
-            self._append((arr, meta))
-        if bad is not None:
-            self._problem("bad_key", bad)  # the valid keys beside it are staged
+        if isinstance(keys, np.ndarray):
+            arr = keys.ravel()
+            if arr.dtype.kind == "O":
+                keys = arr.tolist()  # checked per key at the flush
+            elif arr.dtype.kind in "iu":
+                if len(arr):
+                    # KVCM's signed bit pattern: uint64 keys >= 2^63 wrap (a copy either way)
+                    u64 = arr.dtype == np.uint64
+                    self._append((arr.view(np.int64).copy() if u64 else arr.astype(np.int64), meta))
+                return
+            else:
+                raise TypeError(f"keys array dtype {arr.dtype} is not an integer type")
+        if isinstance(keys, (int, np.integer)):
+            keys = [keys]
+        items = list(keys)
+        if items:
+            self._append((items, meta))
 
     def _reject(self, exc: Exception, group: object = 0, medium: object = None) -> None:
         if isinstance(exc, KeyError):
@@ -231,58 +302,92 @@ class Hook:
         chunk = staged[:n]  # slicing and deleting are single atomic list operations
         del staged[:n]
         self._flushes += 1
-        if n <= SCALAR_FLUSH_MAX and all(
-            type(k) is int and _I64_MIN <= k < _U64_END for k, _ in chunk
+        try:
+            return self._publish_chunk(chunk)
+        except Exception:
+            # The ring or the resident set may lack this chunk: put it back first in line so
+            # the next flush publishes it again, in order. Nothing is lost, and a transition
+            # written twice in the same order ends in the same state (flush() counts the error).
+            staged[0:0] = chunk
+            raise
+
+    def _publish_chunk(self, chunk: list[tuple[Any, int]]) -> int:
+        n = len(chunk)
+        if (
+            n <= SCALAR_FLUSH_MAX
+            and type(chunk[0][0]) is int
+            and all(type(k) is int and _I64_MIN <= k < _U64_END for k, _ in chunk)
         ):
             # A few records: word stores beat numpy's fixed per-call cost by ~20x.
             accepted = self._writer.write_pairs(chunk)
             if self._resident is not None:
                 self._resident.apply_pairs(chunk)  # accepted or dropped: see below
             return accepted
+        # Every transition goes to the resident set, the dropped ones too: the resync after a
+        # drop answers from this set, so a record the ring refused must be here or it is lost
+        # for good. The fence stays the last accepted seq (docs/ring.md, "Drops and the
+        # resident set").
+        flat: np.ndarray | None = None
+        # Single keys staged one by one: one C-level pass. Lists, or keys beyond int64, in the
+        # chunk make it fail: the paths below.
+        if type(chunk[0][0]) is int:
+            with contextlib.suppress(TypeError, ValueError, OverflowError):
+                flat = np.fromiter(itertools.chain.from_iterable(chunk), np.int64, 2 * n)
+        if flat is not None:
+            pairs = flat.reshape(-1, 2)
+            keys, metas = pairs[:, 0], pairs[:, 1].view(np.uint64)
+            accepted = self._writer.write(keys, metas)
+            if self._resident is not None:
+                self._resident.apply(keys, metas, copy=False)  # views of our own array
+            return accepted
+        words = self._list_words(chunk)
+        if words is not None:  # a step's lists of int keys: no numpy call at all
+            kw, mw = words
+            accepted = self._writer.write_words(kw, mw)
+            if self._resident is not None:
+                self._resident.apply_words(kw, mw)
+            return accepted
         keys, metas = self._materialize(chunk)
         accepted = self._writer.write(keys, metas)
         if self._resident is not None:
-            # Every transition, the dropped ones too: the resync after a drop answers from this
-            # set, so a record the ring refused must be here or it is lost for good. The fence
-            # stays the last accepted seq (docs/ring.md, "Drops and the resident set").
-            self._resident.apply(keys, metas)
+            self._resident.apply(keys, metas, copy=False)  # fresh arrays, ours alone
         return accepted
 
-    def _materialize(self, chunk: list[tuple[Any, int]]) -> tuple[np.ndarray, np.ndarray]:
-        try:
-            flat = np.fromiter(itertools.chain.from_iterable(chunk), np.int64, 2 * len(chunk))
-            pairs = flat.reshape(-1, 2)
-            return pairs[:, 0], pairs[:, 1].view(np.uint64)
-        except (TypeError, ValueError, OverflowError):
-            pass  # arrays or out-of-int64 keys in the chunk: take the general path
-        keys: list[np.ndarray] = []
-        metas: list[np.ndarray] = []
-        run_k: list[int] = []
-        run_m: list[int] = []
-
-        def close_run() -> None:
-            if run_k:
-                keys.append(normalize_keys(run_k))
-                metas.append(np.array(run_m, dtype=np.uint64))
-                run_k.clear()
-                run_m.clear()
-
+    @staticmethod
+    def _list_words(chunk: list[tuple[Any, int]]) -> tuple[array[int], array[int]] | None:
+        """(key words, meta words) of a chunk of ints and int lists, or None (arrays, bad keys,
+        more than WORDS_MAX records: the general path)."""
+        flat: list[Any] = []
+        flat_m: list[int] = []
         for item, meta in chunk:
-            if isinstance(item, np.ndarray):
-                close_run()
-                keys.append(item)
-                metas.append(np.full(len(item), meta, dtype=np.uint64))
+            t = type(item)
+            if t is list:
+                flat += item
+                flat_m += [meta] * len(item)
+            elif t is int:
+                flat.append(item)
+                flat_m.append(meta)
             else:
-                _, bad = split_keys([item])
+                return None
+        if len(flat) > WORDS_MAX:
+            return None
+        kw = _key_words(flat)
+        return None if kw is None else (kw, array("Q", flat_m))
+
+    def _materialize(self, chunk: list[tuple[Any, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(keys int64, metas uint64): fresh arrays in call order; bad keys counted, left out."""
+        keys_l: list[np.ndarray] = []
+        metas_l: list[np.ndarray] = []
+        for item, meta in chunk:
+            if type(item) is not np.ndarray:
+                item, bad = split_keys(item)
                 if bad is not None:  # dropped from the ring and the resident set alike
                     self._problem("bad_key", bad)
-                    continue
-                run_k.append(item)
-                run_m.append(meta)
-        close_run()
-        if not keys:
+            keys_l.append(item)
+            metas_l.append(np.full(len(item), meta, dtype=np.uint64))
+        if not keys_l:
             return np.empty(0, np.int64), np.empty(0, np.uint64)
-        return np.concatenate(keys), np.concatenate(metas)
+        return np.concatenate(keys_l), np.concatenate(metas_l)
 
     # ---- snapshots -------------------------------------------------------------------------
     def set_snapshot_provider(self, provider: SnapshotProvider | None) -> None:
@@ -295,7 +400,23 @@ class Hook:
         visible to the provider.
         """
         self._provider = provider
-        self._resident = None if provider is not None else ResidentSet()
+        if provider is not None:
+            self._resident = None
+        elif self._resident is None:
+            # The provider knew the cache; the hook saw its transitions but kept no record, so a
+            # new resident set starts empty and a resync would miss keys stored before now.
+            self._problem("provider_removed", "the hook's own record starts empty now")
+            self._resident = self._new_resident(self._thread is not None)
+
+    @staticmethod
+    def _new_resident(threaded: bool) -> ResidentSet:
+        rs = ResidentSet()
+        if threaded:
+            # The flusher folds queued records between engine steps (at FOLD_AT, or at its
+            # stamp); the engine's flush folds only if the flusher falls far behind, so a fold
+            # (~2 ms per 8 k records) stays off the engine's flush latency.
+            rs.fold_at = FOLD_BEHIND
+        return rs
 
     def _answer_snapshot(self, req: int) -> None:
         t0 = time.perf_counter()
@@ -325,17 +446,77 @@ class Hook:
         if req:
             self._answer_snapshot(req)
 
+    # ---- the flusher thread ----------------------------------------------------------------
+    def _arm(self) -> None:
+        """Make the next staging post the bell (the flusher is about to sleep until the stamp)."""
+        self._append = self._append_and_wake
+
+    def _append_and_wake(self, item: tuple[Any, int]) -> None:
+        self._staged.append(item)
+        self._append = self._staged.append  # one post per quiet spell, then plain appends
+        if self._bell is not None:
+            self._bell.post()
+
     def _flush_loop(self) -> None:
-        while not self._stop.wait(self._delay_s):
-            self.flush()
-            if self._flush_lock.acquire(blocking=False):
-                try:
-                    if not self._closed:
-                        self._chores()
-                except Exception as exc:
-                    self._problem("flush_failed", repr(exc))
-                finally:
-                    self._flush_lock.release()
+        sleep = 0.0
+        while True:
+            posted = self._bell.wait(sleep) if self._bell is not None else False
+            if self._stopping:
+                return
+            busy = self._flush_busy
+            sleep = self._flusher_turn(posted, time.monotonic())
+            if self._flush_busy != busy:
+                sleep = 0.0  # an engine flush found us holding the lock: publish its records now
+
+    def _flusher_turn(self, posted: bool, now: float) -> float:
+        """One wake-up of the flusher: publish, stamp, answer; returns how long to sleep.
+
+        QUIET + posted + staged: the first record after a quiet spell; wait one delay for the
+        engine's own flush. Otherwise publish what is staged, then: the engine flushed since the
+        last turn -> SELF; we published -> WATCH; neither -> QUIET (arm the bell)."""
+        with self._flush_lock:
+            try:
+                if self._closed:
+                    return STAMP_S
+                self._turns += 1
+                engine = self._flushes - self._own_flushes
+                engine_flushed = engine != self._engine_flushes_seen
+                self._engine_flushes_seen = engine
+                wait_for_engine = self._mode == _Mode.QUIET and posted and bool(self._staged)
+                before = self._flushes
+                req = self._snap.pending_request()
+                if req:
+                    self._answer_snapshot(req)  # publishes what is staged first
+                elif not wait_for_engine:
+                    self._publish_staged()
+                published = self._flushes != before
+                self._own_flushes += self._flushes - before
+                stamp = now >= self._next_stamp
+                if stamp:
+                    self._writer.stamp()
+                    self._next_stamp = now + STAMP_S
+                rs = self._resident
+                if rs is not None and rs.queued and (stamp or rs.queued >= resident.FOLD_AT):
+                    rs.fold()
+                if wait_for_engine and not published:
+                    self._mode = _Mode.WATCH
+                    return self._delay_s
+                if engine_flushed:
+                    self._mode = _Mode.SELF
+                    return min(self._self_check_s, self._next_stamp - now)
+                if published:
+                    self._mode = _Mode.WATCH
+                    return self._delay_s
+                self._mode = _Mode.QUIET
+                self._arm()
+                if self._staged:  # staged before the bell was armed: no post is coming
+                    self._mode = _Mode.WATCH
+                    return self._delay_s
+                return self._next_stamp - now
+            except Exception as exc:
+                self._problem("flush_failed", repr(exc))
+                self._mode = _Mode.WATCH
+                return self._delay_s
 
     # ---- introspection and shutdown --------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -350,6 +531,8 @@ class Hook:
             "flushes": self._flushes,
             "flush_busy": self._flush_busy,
             "flusher_alive": self._thread is not None and self._thread.is_alive(),
+            "flusher_mode": self._mode if self._bell is not None else None,
+            "flusher_wakeups": self._turns,
             "snapshots": self._snapshots,
             "snapshot_last_stall_s": self._snapshot_last_stall_s,
             "resident_keys": len(self._resident) if self._resident is not None else None,
@@ -362,16 +545,22 @@ class Hook:
         if self._closed:
             return
         try:
-            self._stop.set()
+            self._stopping = True
+            if self._bell is not None:
+                self._bell.post()
             if self._thread is not None and self._thread is not threading.current_thread():
                 self._thread.join(timeout=1.0)
             self.flush(wait=True)
             with self._flush_lock:
-                self._closed = True
                 self._append = self._closed_append
+                # What the engine staged between that flush and the swap is published too.
+                self._publish_staged()
+                self._closed = True
                 self._writer.close()
                 self._snap.close()
                 self._seg.close()
+                if self._bell is not None:
+                    self._bell.close()
         except Exception as exc:
             self._problem("close_failed", repr(exc))
 

@@ -3,13 +3,15 @@
 Imports: numpy + sidecar.shm_ring.layout. Block metadata lives in arrays (DESIGN §5): per medium,
 dense (key, mask) arrays indexed by an open-addressing hash table, updated in bulk. The hook
 applies every transition it was handed, whether the ring accepted or dropped it: this is the truth
-a resync rebuilds from. Records are queued and folded in when the queue is long or a snapshot is
-asked for, so `export()` is exactly the fold of every record applied so far. Not thread-safe: the
-hook calls apply/export only under its flush lock.
+a resync rebuilds from. Records are queued and folded in when the queue is long (`fold_at`), when
+the owner calls `fold()` (the hook's flusher, between engine steps) or when a snapshot is asked
+for, so `export()` is exactly the fold of every record applied so far. Not thread-safe: the hook
+calls apply/fold/export only under its flush lock.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable
 
 import numpy as np
@@ -24,6 +26,10 @@ FOLD_AT = 1 << 13
 _MIN_CAP = 1 << 16
 
 
+def _np(q: np.ndarray | array[int], dtype: type) -> np.ndarray:
+    return np.frombuffer(q, dtype) if isinstance(q, array) else q
+
+
 class ResidentSet:
     """(medium, key) -> group mask: per medium, dense (key, mask) columns behind a hash index.
 
@@ -35,9 +41,12 @@ class ResidentSet:
     def __init__(self, capacity: int = _MIN_CAP) -> None:
         self._capacity = capacity
         self._tables: dict[int, KeyTable] = {0: self._table()}
-        self._queue_k: list[np.ndarray] = []
-        self._queue_m: list[np.ndarray] = []
+        # numpy arrays, or the hook's 'Q' word arrays (converted at the fold, off the engine's
+        # step: a numpy call per flush costs far more than the conversion of a whole fold)
+        self._queue_k: list[np.ndarray | array[int]] = []
+        self._queue_m: list[np.ndarray | array[int]] = []
         self._queued = 0
+        self.fold_at: int | None = None  # None: the module's FOLD_AT
 
     def _table(self) -> KeyTable:
         return KeyTable({"masks": np.uint32}, live=("masks",), min_capacity=self._capacity)
@@ -52,14 +61,34 @@ class ResidentSet:
         return max(t.idx.cap for t in self._tables.values())
 
     # ---- recording ------------------------------------------------------------------------
-    def apply(self, keys: np.ndarray, metas: np.ndarray) -> None:
+    @property
+    def queued(self) -> int:
+        """Records applied but not yet folded."""
+        return self._queued
+
+    def apply(self, keys: np.ndarray, metas: np.ndarray, *, copy: bool = True) -> None:
+        """Queue records (in call order). `copy=False` when the caller hands over fresh arrays."""
         if not len(keys):
             return
-        self._queue_k.append(np.array(keys, np.int64))
-        self._queue_m.append(np.array(metas, np.uint64))
+        self._queue_k.append(np.array(keys, np.int64, copy=copy or None))
+        self._queue_m.append(np.array(metas, np.uint64, copy=copy or None))
         self._queued += len(keys)
-        if self._queued >= FOLD_AT:
+        if self._queued >= (self.fold_at or FOLD_AT):
             self._fold()
+
+    def apply_words(self, keys: array[int], metas: array[int]) -> None:
+        """apply() for u64 word arrays (keys in KVCM's signed bit pattern); takes ownership."""
+        if not len(keys):
+            return
+        self._queue_k.append(keys)
+        self._queue_m.append(metas)
+        self._queued += len(keys)
+        if self._queued >= (self.fold_at or FOLD_AT):
+            self._fold()
+
+    def fold(self) -> None:
+        """Fold every queued record into the tables now."""
+        self._fold()
 
     def apply_pairs(self, pairs: Iterable[tuple[int, int]]) -> None:
         pairs = list(pairs)
@@ -70,9 +99,8 @@ class ResidentSet:
     def _fold(self) -> None:
         if not self._queued:
             return
-        keys = np.concatenate(self._queue_k)
-        metas = np.concatenate(self._queue_m)
-        self._queue_k, self._queue_m, self._queued = [], [], 0
+        keys = np.concatenate([_np(q, np.int64) for q in self._queue_k])
+        metas = np.concatenate([_np(q, np.uint64) for q in self._queue_m])
         kinds = metas & np.uint64(0xFF)
         start = 0
         for c in np.flatnonzero(kinds == KIND_CLEARED).tolist():
@@ -80,6 +108,9 @@ class ResidentSet:
             self._tables = {0: self._table()}  # every medium and group gone
             start = c + 1
         self._fold_segment(keys[start:], metas[start:])
+        # Only now: a fold that raised (MemoryError while a table grows) keeps the queue, and
+        # folding it again is harmless (the same ops in the same order end in the same state).
+        self._queue_k, self._queue_m, self._queued = [], [], 0
 
     def _fold_segment(self, keys: np.ndarray, metas: np.ndarray) -> None:
         if not len(keys):

@@ -181,6 +181,8 @@ typedef int (*kvcm_snapshot_fn)(void *ctx, kvcm_snapshot *snap);
 #define KVCM__ACQ __ATOMIC_ACQUIRE
 /* A counter written by one thread and read by any (stats): a relaxed 8-byte store. */
 #define KVCM__BUMP(field, n) KVCM__STORE(&(field), KVCM__LOAD(&(field), KVCM__RLX) + (n), KVCM__RLX)
+/* A counter two threads write (the engine's calls and the snapshot answer): an atomic add. */
+#define KVCM__BUMP_SHARED(field, n) (void)__atomic_fetch_add(&(field), (n), KVCM__RLX)
 
 struct kvcm_snapshot {
     int64_t *keys;
@@ -1169,7 +1171,7 @@ static inline int kvcm__check(kvcm_ring *r, int group, int medium) {
         return 0;
     }
     if (__builtin_expect((unsigned)medium >= (unsigned)r->nmediums, 0)) {
-        KVCM__BUMP(r->st.bad_medium, 1);
+        KVCM__BUMP_SHARED(r->st.bad_medium, 1);
         return 0;
     }
     if (__builtin_expect((unsigned)group >= (unsigned)r->ngroups, 0)) {
@@ -1325,7 +1327,7 @@ static inline void kvcm__answer(kvcm_ring *r, uint64_t req) {
         return;
     }
     int rc = r->snap_fn(r->snap_ctx, s);
-    if (s->bad_medium) KVCM__BUMP(r->st.bad_medium, s->bad_medium);
+    if (s->bad_medium) KVCM__BUMP_SHARED(r->st.bad_medium, s->bad_medium);
     if (rc != 0 || s->oom) {
         if (s->oom) KVCM__BUMP(r->st.internal, 1);
         kvcm__snap_fail(r, req);

@@ -206,13 +206,9 @@ class KvcmServer:
             except ApiError as exc:
                 code, message, out = exc.code, str(exc), dict(exc.extra)
                 if name == "reportEvent":
-                    out = {
-                        "extra_info": "",
-                        "committed_snapshot_version": "",
-                        "retry_after_ms": "0",
-                        "snapshot_required": False,
-                        **out,
-                    }
+                    # The group's extra_info is echoed on error answers too (contract §12).
+                    iid = typed[0].instance_id if typed else req.get("instance_id")
+                    out = {**self.report._reply(iid), **out}
             body = {**P.header(code, message, trace_id), **out}
             return web.Response(body=P.encode(body), content_type="application/json")
 

@@ -88,6 +88,8 @@ def parse(lines: Iterable[str | bytes], block_tokens: int, source: str = "trace"
             raise TraceError(
                 f"{where}: timestamp {line.timestamp:g} is earlier than the line before ({last:g})"
             )
+        if any(not 0 <= h < 1 << 64 for h in line.hash_ids):
+            raise TraceError(f"{where}: hash_ids must be integers in [0, 2^64)")
         if line.input_length <= 0 or line.output_length < 0:
             raise TraceError(f"{where}: input_length must be > 0 and output_length >= 0")
         if len(line.hash_ids) * block_tokens < line.input_length:

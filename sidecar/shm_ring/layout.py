@@ -140,6 +140,12 @@ def doorbell_name(ring_name: str) -> str:
     return f"{ring_name}.bell"
 
 
+def snapshot_bell_name(ring_name: str) -> str:
+    """The POSIX semaphore the producer's flusher sleeps on; the reader posts it after a snapshot
+    request (shm_ring/doorbell.py)."""
+    return f"{ring_name}.snapbell"
+
+
 class LayoutError(Exception):
     """The segment is not a ring this code can use; the message says which side to change."""
 

@@ -153,12 +153,13 @@ class Segment:
 
 
 def unlink(name: str) -> None:
-    """Remove a ring segment, its snapshot segment and its doorbell; for tests and cleanup."""
+    """Remove a ring segment, its snapshot segment and its doorbells; for tests and cleanup."""
     for n in (name, L.snapshot_segment_name(name)):
         with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory(n)
-    with contextlib.suppress(posix_ipc.ExistentialError):
-        posix_ipc.unlink_semaphore(L.doorbell_name(name))
+    for n in (L.doorbell_name(name), L.snapshot_bell_name(name)):
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_semaphore(n)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(L.reader_lock_path(name))
 

@@ -17,6 +17,7 @@ import numpy as np
 import posix_ipc
 
 from sidecar.shm_ring import layout as L
+from sidecar.shm_ring.doorbell import ring_engine
 from sidecar.shm_ring.segment import Segment
 
 
@@ -119,6 +120,7 @@ def request(segment: Segment) -> int:
     h = segment.hdr
     req = max(int(h[L.W_SNAP_REQ]), int(h[L.W_SNAP_RESP])) + 1
     h[L.W_SNAP_REQ] = req
+    ring_engine(segment.name)  # an idle engine's flusher sleeps up to its 1 s liveness stamp
     return req
 
 

@@ -203,6 +203,7 @@ def test_hook_after_close_counts_and_does_not_raise(ring_name: str) -> None:
 def test_hook_corrupt_ring_flush_counted(ring_name: str) -> None:
     hook = _attach(ring_name, start_flusher=False)
     hook._writer._slots = None  # type: ignore[assignment]  # simulate a broken mapping
+    hook._writer._words = None  # type: ignore[assignment]
     hook.stored([1, 2])
     assert hook.flush() == 0
     assert hook.stats()["problems"]["flush_failed"] == 1
@@ -372,3 +373,61 @@ def test_writer_ignores_a_garbage_reader_cursor_at_attach(ring_name: str) -> Non
     assert w.dropped == 4
     w.close()
     seg.close()
+
+
+def test_hook_flush_that_raises_loses_nothing(ring_name: str) -> None:
+    """A ring write that raises (MemoryError, say) after the staged list was cut: the chunk goes
+    back first in line and the next flush publishes it, in order, to ring and resident set."""
+    hook = _attach(ring_name, start_flusher=False)
+    reader = RingReader(Segment(ring_name))
+    w = hook._writer
+    names = ("write", "write_pairs", "write_words")
+    real = {name: getattr(w, name) for name in names}
+
+    def broken(*args: Any) -> int:
+        raise MemoryError("injected")
+
+    for name in names:
+        setattr(w, name, broken)
+    hook.stored([1, 2])
+    hook.removed(1)
+    assert hook.flush() == 0
+    assert hook.stats()["problems"] == {"flush_failed": 1}
+    hook.stored(3)  # staged behind the chunk that failed
+    for name in names:
+        setattr(w, name, real[name])
+    hook.flush()
+    got = [(int(k), L.meta_kind(int(m))) for _s, k, m, _p in reader.read().records]
+    assert got == [(1, L.KIND_STORED), (2, L.KIND_STORED), (1, L.KIND_REMOVED), (3, L.KIND_STORED)]
+    assert hook._resident is not None and hook._resident.as_dict() == {(2, 0): 1, (3, 0): 1}
+    reader.close()
+    hook.close()
+
+
+def test_resident_fold_that_raises_keeps_its_queue() -> None:
+    from engine_hook import resident
+
+    rs = resident.ResidentSet()
+    rs.apply(np.array([5, 6], np.int64), np.full(2, L.pack_meta(L.KIND_STORED), np.uint64))
+    real = rs._fold_segment
+
+    def broken(keys: np.ndarray, metas: np.ndarray) -> None:
+        raise MemoryError("injected")
+
+    rs._fold_segment = broken  # type: ignore[method-assign]
+    with pytest.raises(MemoryError):
+        rs.export()
+    rs._fold_segment = real  # type: ignore[method-assign]
+    assert rs.as_dict() == {(5, 0): 1, (6, 0): 1}
+
+
+def test_hook_unsetting_no_provider_keeps_the_resident_set(ring_name: str) -> None:
+    hook = _attach(ring_name, start_flusher=False)
+    hook.stored([1, 2, 3])
+    hook.flush()
+    hook.set_snapshot_provider(None)  # there was none: the hook's record must survive
+    assert hook._resident is not None and len(hook._resident.as_dict()) == 3
+    hook.set_snapshot_provider(lambda: (np.empty(0, np.int64), np.empty(0, np.uint32)))
+    hook.set_snapshot_provider(None)  # a provider removed: counted, the record starts empty
+    assert hook.stats()["problems"].get("provider_removed") == 1
+    hook.close()

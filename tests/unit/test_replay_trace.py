@@ -97,3 +97,12 @@ def test_trace_theoretical_hit_rate_counts_the_longest_seen_prefix() -> None:
     reqs = parse([line(0, [1, 2]), line(1, [1, 2, 3, 4]), line(2, [9])], block_tokens=4)
     # 0 + 8 (two blocks of the second prompt) + 0, over 8 + 16 + 4 tokens
     assert theoretical_hit_rate(reqs, 4) == pytest.approx(8 / 28)
+
+
+def test_replay_trace_hash_ids_beyond_64_bits_name_the_line() -> None:
+    from sidecar.replay.trace import TraceError, parse
+
+    head = '{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": '
+    lines = [head + "[0]}", head + f"[{2**64}]}}"]
+    with pytest.raises(TraceError, match=r"line 2.*hash_ids"):
+        parse(lines, 512)
