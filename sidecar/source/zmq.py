@@ -219,14 +219,17 @@ class Stream:
         r = self.replay
         if r is None:
             return  # a late reply to a request given up on
+        # The engine is answering: a long replay (or one queued behind it) still arriving lives.
+        r.deadline = self.clock() + self.replay_timeout_s
         if self.discard_ends:
             return  # the rest of a reply given up on (its end marker is still to come)
         r.replies += 1
-        r.deadline = self.clock() + self.replay_timeout_s  # a long replay still arriving lives
         if r.proof is not None and not r.proven:
-            if seq == r.start and digest(payload) == r.proof:
+            if seq == r.start and (d := digest(payload)) == r.proof:
                 r.proven = True
                 r.next = seq + 1
+                self._replayed[seq] = d  # a live copy of it is a duplicate too
+                self._replayed_top = max(self._replayed_top, seq)
                 return
             if seq == r.start:
                 # Another batch under that seq: another engine life. All of it may still be

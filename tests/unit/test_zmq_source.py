@@ -559,3 +559,20 @@ def test_zmq_source_restart_forget_reaches_the_publisher_before_the_replay_from_
         assert synced(src) and published(s) == {90, 91} and s.forgets == {"engine_restart": 1}
     finally:
         src.close()
+
+
+def test_zmq_stream_a_reply_still_being_discarded_keeps_the_next_replay_alive() -> None:
+    now = [0.0]
+    s = stream(clock=lambda: now[0])
+    s.start(ckpt.Checkpoint(3, ckpt.digest(b"old life"), []), loaded=True)
+    s.on_replayed(3, payload([stored(30)]))  # another life: re-ask from 0 behind this reply
+    for seq in range(4, 8):  # the rest of the reply to the first request, arriving slowly
+        now[0] += 1.5
+        assert not s.check_deadline()
+        s.on_replayed(seq, payload([stored(seq)]))
+    s.on_replay_end()
+    now[0] += 1.5
+    assert not s.check_deadline()
+    s.on_replayed(0, payload([stored(40)]))
+    s.on_replay_end()
+    assert s.replays == {"restart": 1, "covered": 1} and published(s) == {40}
