@@ -287,7 +287,7 @@ def test_zmq_stream_junk_with_a_low_seq_is_dropped_not_a_restart() -> None:
     assert published(s) == set(range(100, 106)) and s.restarts == 0
 
 
-def test_zmq_stream_junk_with_a_far_seq_is_dropped_not_a_gap() -> None:
+def test_zmq_stream_junk_with_a_far_seq_is_dropped_and_forgets_nothing() -> None:
     """Review of #13: a junk seq far ahead asked a replay that could not cover it: a forget."""
     s = stream()
     for seq in range(5):
