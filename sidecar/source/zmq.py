@@ -107,9 +107,8 @@ class Stream:
         self._replayed: dict[int, bytes] = {}  # seq -> digest of batches applied from a replay
         self._replayed_top = -1
         # counters (exported by sidecar/metrics)
-        self.batches: Counter[str] = (
-            Counter()
-        )  # applied, replayed, duplicate, stale, dp_rank, malformed
+        # batches by outcome: applied, replayed, duplicate, stale, dp_rank, malformed
+        self.batches: Counter[str] = Counter()
         self.events = np.zeros(512, np.int64)  # [2 * medium + stored?]: events applied
         self.blocks = 0  # block hashes applied
         self.decode_errors: Counter[str] = Counter()
