@@ -45,6 +45,7 @@ class EngineSync:
         *,
         snapshot_timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        medium_count: Callable[[], int] | None = None,
     ) -> None:
         self.reader = reader
         self.keys = keys
@@ -61,7 +62,8 @@ class EngineSync:
         self._buffer: list[np.ndarray] = []
         self._buffered = 0  # records in _buffer
         self._first = True
-        self.n_mediums = 1  # the medium table's size (from the descriptor, once it is read)
+        self.n_mediums = 1  # the medium table's size, read from each incarnation's descriptor
+        self._medium_count = medium_count
         self.unknown_medium = 0  # records dropped: medium index outside the table
 
     def request(self, reason: str) -> None:
@@ -90,6 +92,10 @@ class EngineSync:
             first = self._first
             self._first = False
             self.boot_id = res.incarnation.boot_id
+            if self._medium_count is not None:
+                # Before the snapshot and any record of this incarnation is applied: its
+                # descriptor (written before the incarnation) says which mediums exist.
+                self.n_mediums = self._medium_count()
             if not first:
                 self.keys.clear_current()  # a new engine process starts with an empty cache
             self.request("sidecar_start" if first else "new_incarnation")

@@ -49,7 +49,11 @@ class RingSource:
         self.sleep = sleep
         self.clock = clock
         self.sync = EngineSync(
-            reader, keys, snapshot_timeout_s=cfg.ring.engine_snapshot_timeout_s, clock=clock
+            reader,
+            keys,
+            snapshot_timeout_s=cfg.ring.engine_snapshot_timeout_s,
+            clock=clock,
+            medium_count=self._medium_count,
         )
         self._identity: Identity | None = None
         self.stale_checks = 0
@@ -85,6 +89,14 @@ class RingSource:
 
     def take_forget(self) -> bool:
         return False  # the engine's own snapshot rebuilds the truth: never a forget
+
+    def _medium_count(self) -> int:
+        """The current producer's medium table size (1 while its descriptor is unreadable)."""
+        raw = self.reader.seg.read_descriptor()
+        try:
+            return len(Descriptor.from_json(raw).medium_table()) if raw else 1
+        except (ValueError, TypeError):
+            return 1
 
     def identity(self) -> Identity | None:
         if self._identity is not None:

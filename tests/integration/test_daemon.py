@@ -327,7 +327,8 @@ async def test_e2e_ring_mediums_kvcm_holds_each_key_per_medium(h: Harness) -> No
     async def converge(want: set[tuple[int, str]]) -> None:
         deadline = time.monotonic() + 20
         while (seen := await pairs()) != want:
-            assert time.monotonic() < deadline, (len(want - seen), len(seen - want))
+            tail = "".join(h.sidecar.log[-20:]) if h.sidecar else ""
+            assert time.monotonic() < deadline, (len(want - seen), len(seen - want), tail)
             await asyncio.sleep(0.02)  # polling another process's state, bounded by deadline
 
     eng = EngineProc("tiers", {"ring": h.ring, "instance_id": h.instance_id, "seed": 3})

@@ -42,3 +42,40 @@ def test_engine_sync_records_of_an_unknown_medium_are_dropped_and_counted(ring_n
     assert sync.unknown_medium == 1
     sync.reader.close()
     writer.close()
+
+
+def test_ring_source_keeps_snapshot_mediums_before_the_descriptor_is_loaded(ring_name: str) -> None:
+    """The engine's snapshot can arrive before the publisher reads the descriptor (identity):
+    the sync must already know the medium table then, or it drops every other tier's keys."""
+    import engine_hook
+    from sidecar import config as C
+    from sidecar.source.ring import RingSource
+
+    hook = engine_hook.attach(
+        strict=True,
+        env={},
+        instance_id="i",
+        ring_name=ring_name,
+        ring_capacity_slots=64,
+        mediums=("hbm", "mem", "disk"),
+        start_flusher=False,
+    )
+    hook.stored([1, 2], medium="disk")
+    hook.stored(3)
+    hook.flush()
+    env = {
+        "KV_CACHE_EVENT_MANAGER_ENDPOINT": "http://127.0.0.1:9",
+        "KV_CACHE_EVENT_INSTANCE_ID": "i",
+        "KV_CACHE_EVENT_HOST_IP_PORT": "h:1",
+    }
+    cfg = C.load(env=env)
+    keys = KeyState()
+    src = RingSource(cfg, RingReader(Segment(ring_name)), keys)
+    src.sync.step()  # sees the engine, asks for a snapshot
+    hook.flush()  # the engine answers
+    src.sync.step()
+    assert src.sync.status is Sync.SYNCED
+    assert keys.as_dict(2) == {1: 1, 2: 1} and keys.as_dict(0) == {3: 1}
+    assert src.sync.unknown_medium == 0
+    src.reader.close()
+    hook.close()
