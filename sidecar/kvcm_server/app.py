@@ -47,6 +47,21 @@ class Faults:
     def __init__(self) -> None:
         self.rules: dict[str, dict[str, Any]] = {}
         self.taken = asyncio.Event()  # set when a request got a fault (in-process tests wait)
+        self.delaying = 0  # requests inside a delay fault right now
+        self.settled = asyncio.Event()  # set while no request is inside a delay fault
+        self.settled.set()
+
+    async def delay(self, seconds: float) -> None:
+        """A delay fault; tests await `settled` before stopping the server, so no handler is
+        left sleeping on a connection that the shutdown would abandon."""
+        self.delaying += 1
+        self.settled.clear()
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self.delaying -= 1
+            if not self.delaying:
+                self.settled.set()
 
     def take(self, route: str, body: bytes) -> dict[str, Any] | None:
         for name in (route, "*"):
@@ -177,7 +192,7 @@ class KvcmServer:
             fault = self.faults.take(name, raw)
             if fault:
                 if fault.get("delay_ms"):
-                    await asyncio.sleep(fault["delay_ms"] / 1000)
+                    await self.faults.delay(fault["delay_ms"] / 1000)
                 if fault.get("status"):
                     return web.Response(
                         status=fault["status"], body=b"{}", content_type="application/json"

@@ -7,6 +7,7 @@ Oracle: KVCM's visible keys for the reporter == the engine's published set.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -132,6 +133,12 @@ class Harness:
 
     async def stop_server(self) -> None:
         if self.runner is not None:
+            self.server.faults.rules.clear()
+            # A handler still inside a delay fault would be cut off by the shutdown and leave
+            # its transport to the GC (an unraisable ResourceWarning in a later test).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(10):
+                    await self.server.faults.settled.wait()
             await self.runner.cleanup()
             self.runner = None
 
