@@ -13,9 +13,10 @@ from tests.proc import ROOT
 pytestmark = pytest.mark.slow
 
 
-def test_demo_two_ranks_converges_and_exits_0() -> None:
+def _demo(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the demo as a user does; it must exit 0 having converged."""
     out = subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "demo", "--duration", "4", "--ranks", "2"],
+        [sys.executable, "-m", "sidecar.cli", "demo", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -23,6 +24,11 @@ def test_demo_two_ranks_converges_and_exits_0() -> None:
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "every rank converged" in out.stdout
+    return out
+
+
+def test_demo_two_ranks_converges_and_exits_0() -> None:
+    out = _demo("--duration", "4", "--ranks", "2")
     assert "fault: SIGKILL the sidecar of rank 0" in out.stdout
     # Issue #11: a ring overflow on the rank whose engine has no snapshot provider still ends
     # converged (the hook's resident set holds the dropped transitions).
@@ -43,15 +49,7 @@ def test_demo_two_ranks_converges_and_exits_0() -> None:
 
 def test_demo_source_zmq_converges_after_a_gap_and_a_sidecar_restart() -> None:
     """`demo --source zmq`: vLLM-format engines (int hashes, 32-byte digests; GPU and CPU)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "sidecar.cli", "demo", "--source", "zmq", "--duration", "3"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "every rank converged" in out.stdout
+    out = _demo("--source", "zmq", "--duration", "3")
     assert "fault: rank 0's engine drops 20 batches" in out.stdout
     assert "fault: SIGKILL the sidecar of rank 1" in out.stdout
     rows = re.findall(
