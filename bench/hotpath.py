@@ -271,7 +271,10 @@ def bench_drops(events: int) -> dict[str, float]:
 SYSTEMS = ("none", "hook", "vllm")
 # The hook again, with a reader that polls every 2 ms and never sleeps on the doorbell: what the
 # engine's doorbell posts cost when the sidecar sleeps between steps (paced runs only).
-PACED_SYSTEMS = (*SYSTEMS, "hook_polled")
+# ... and with a reader that sleeps on the doorbell after every step (ring.bell_after_s at the
+# 2 ms poll period: the sidecar before it lingered), so what the linger saves shows.
+PACED_SYSTEMS = (*SYSTEMS, "hook_polled", "hook_bell_each_step")
+HOOK_SYSTEMS = ("hook", "hook_polled", "hook_bell_each_step")
 BLOCK_SIZE = 16
 CACHE_STEPS = 64  # a step removes the keys stored this many steps before
 
@@ -303,7 +306,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     system, mode = spec["system"], spec["mode"]
     hook: Hook | None = None
     pub: vllm_publisher.Publisher | None = None
-    if system in ("hook", "hook_polled"):
+    if system in HOOK_SYSTEMS:
         h = engine_hook.attach(
             strict=True,
             env={},
@@ -408,9 +411,11 @@ def _wait_sent(pub: vllm_publisher.Publisher, n: int) -> None:
 
 class _RingDrain:
     """The sidecar's side of the ring, as its drain loop does it: poll every 2 ms, back off to
-    100 ms while empty, and sleep on the doorbell when idle (so the engine posts it)."""
+    100 ms while empty, and sleep on the doorbell once the period passes ring.bell_after_s
+    (so the engine posts it only after a quiet spell)."""
 
-    def __init__(self, name: str, *, sleeps: bool = True) -> None:
+    def __init__(self, name: str, *, sleeps: bool = True, bell_after_s: float = 0.016) -> None:
+        self._bell_after = bell_after_s
         self.seg = Segment(name)
         self.reader = RingReader(self.seg)
         self._sleeps = sleeps
@@ -427,8 +432,9 @@ class _RingDrain:
             n = len(self.reader.read().records)
             self.records += n
             delay = 0.002 if n else min(delay * 2, 0.1)
-            if delay <= 0.002 or not self._sleeps:
+            if not self._sleeps:
                 delay = 0.002
+            if delay <= max(self._bell_after, 0.002) or not self._sleeps:
                 time.sleep(delay)
                 continue
             self._wake.clear()
@@ -452,9 +458,13 @@ def _run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     sub_thread: threading.Thread | None = None
     stop = threading.Event()
     ctx: zmq.Context[Any] | None = None
-    if spec["system"] in ("hook", "hook_polled"):
+    if spec["system"] in HOOK_SYSTEMS:
         spec["ring"] = f"/kvcm-bench-paced-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        drain = _RingDrain(spec["ring"], sleeps=spec["system"] == "hook")
+        drain = _RingDrain(
+            spec["ring"],
+            sleeps=spec["system"] != "hook_polled",
+            bell_after_s=0.002 if spec["system"] == "hook_bell_each_step" else 0.016,
+        )
     cmd = [sys.executable, "-m", "bench.hotpath", "--worker", json.dumps(spec)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
@@ -537,7 +547,7 @@ def bench_paced(ks: list[int], rates: list[int], seconds: float, reps: int) -> d
                     runs[system].append(_run_worker({**spec, "seconds": seconds}))
             floor = [r["cpu_ns_per_event"] for r in runs["none"]]
             row: dict[str, Any] = {"floor_ns_per_event": floor}
-            for system in ("hook", "vllm", "hook_polled"):
+            for system in ("hook", "vllm", *HOOK_SYSTEMS[1:]):
                 rs = runs[system]
                 row[f"{system}_ns_per_event"] = [
                     r["cpu_ns_per_event"] - f for r, f in zip(rs, floor, strict=True)

@@ -57,6 +57,10 @@ class RingConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
     poll_interval_s: PosFloat = 0.002
     idle_poll_interval_s: PosFloat = 0.1  # the poll period backs off to this when idle (the
     # engine's doorbell wakes the sidecar sooner: shm_ring/doorbell.py)
+    # While the backed-off period is below this, the sidecar polls without asking for the
+    # doorbell: an engine stepping faster than that never pays a post (a syscall and a wake-up
+    # that competes with its flush) per step; a longer quiet spell sleeps on the doorbell.
+    bell_after_s: NonNegFloat = 0.016
     engine_snapshot_timeout_s: PosFloat = 30.0
 
 

@@ -206,6 +206,7 @@ class RingSource:
         sync = self.sync
         busy = self.cfg.ring.poll_interval_s
         idle = max(self.cfg.ring.idle_poll_interval_s, busy)
+        bell_after = max(self.cfg.ring.bell_after_s, busy)
         full_every = self.cfg.engine.watch_interval_s
         last_full = 0.0
         delay = busy
@@ -225,7 +226,7 @@ class RingSource:
             if r.records or r.resynced:
                 work.set()
             delay = busy if r.records else min(delay * 2, idle)
-            if delay <= busy or bell is None:
+            if delay <= bell_after or bell is None:
                 await self.sleep(delay)
                 continue
             # Idle: sleep until the engine rings the doorbell or the poll interval passes.
