@@ -158,8 +158,13 @@ class EngineSync:
             if len(recs):
                 self.keys.apply(self._known(recs[recs[:, L.C_SEQ] > snap.seq]))
         self._buffer = []
-        if int(self.reader.seg.hdr[L.W_DROPPED]) > snap.dropped_at:
-            self.request("dropped_after_fence")  # a record after S was lost: ask again
+        dropped = int(self.reader.seg.hdr[L.W_DROPPED])
+        if dropped > snap.dropped_at:
+            # A record after S was lost: ask again. The new answer covers these drops, so the
+            # next read must not count them (and ask) once more.
+            self.dropped_total += max(dropped - self.reader.dropped_seen, 0)
+            self.reader.dropped_seen = dropped
+            self.request("dropped_after_fence")
             return
         self.status = Sync.SYNCED
         out.resynced = True

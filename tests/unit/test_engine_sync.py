@@ -9,7 +9,7 @@ from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.reader import RingReader
 from sidecar.shm_ring.segment import Segment
 from sidecar.shm_ring.writer import RingWriter
-from sidecar.source.engine_sync import EngineSync, Sync
+from sidecar.source.engine_sync import EngineSync, StepResult, Sync
 
 
 def test_engine_sync_unanswered_snapshot_backlog_is_bounded(ring_name: str) -> None:
@@ -78,4 +78,35 @@ def test_ring_source_keeps_snapshot_mediums_before_the_descriptor_is_loaded(ring
     assert keys.as_dict(2) == {1: 1, 2: 1} and keys.as_dict(0) == {3: 1}
     assert src.sync.unknown_medium == 0
     src.reader.close()
+    hook.close()
+
+
+def test_engine_sync_drop_after_the_fence_asks_once(ring_name: str) -> None:
+    """A drop between the sidecar's read and its poll of the answer (two threads in real life,
+    staged here): one new request covers it; the next read does not ask again for it."""
+    import engine_hook
+
+    hook = engine_hook.attach(
+        strict=True,
+        env={},
+        instance_id="i",
+        ring_name=ring_name,
+        ring_capacity_slots=16,
+        start_flusher=False,
+    )
+    sync = EngineSync(RingReader(Segment(ring_name)), KeyState())
+    sync.step()  # sees the engine: asks
+    hook.flush()  # answers (fence 0)
+    hook.stored(list(range(40)))
+    hook.flush()  # 16 accepted, 24 dropped after the fence
+    sync._buffer.append(np.empty((0, 4), np.uint64))
+    sync._poll_snapshot(StepResult())
+    assert sync.resyncs["dropped_after_fence"] == 1 and sync.dropped_total == 24
+    hook.flush()  # answers the new request from the resident set: all 40 keys
+    sync.step()
+    sync.step()
+    assert sync.status is Sync.SYNCED
+    assert sync.resyncs["dropped"] == 0  # the drops were not counted (and asked for) twice
+    assert set(sync.keys.as_dict()) == set(range(40))
+    sync.reader.close()
     hook.close()
