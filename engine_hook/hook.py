@@ -11,6 +11,7 @@ protocol"); it never wakes per engine step of an engine that flushes itself.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import threading
@@ -118,6 +119,9 @@ def split_keys(keys: Any) -> tuple[np.ndarray, Exception | None]:
 
 
 _NO_KEYS = np.empty(0, np.int64)
+_words = functools.partial(array, "Q")  # array('Q', keys): the staging conversion
+
+
 
 
 def _key_words(flat: list[Any]) -> array[int] | None:
@@ -198,20 +202,24 @@ class Hook:
             self._thread.start()
 
     # ---- hot path ----------------------------------------------------------------------------
-    # A call only stages: (int or list copy or int64 array copy, meta). Keys are checked and
-    # converted once per flush for the whole step (two numpy calls instead of a Python loop per
-    # key and call); copies, because an engine may reuse its list or array after the call.
+    # A call only stages (keys, meta): an int; a list of ints as a 'Q' word array (one C-level
+    # pass checks and converts it, and reads each int once: the engine's ints are cold after
+    # its step); a list that does not convert (negative or bad keys) as a copy, checked at the
+    # flush; an int64 array copy. Copies, because an engine may reuse its list after the call.
     def stored(self, keys: Any, group: int = 0, medium: str | None = None) -> None:
         """Blocks with these keys now hold `group`'s KV in `medium` (default: the descriptor's).
         Never raises, never blocks."""
         try:
             meta = self._stored_meta[group if medium is None else (group, medium)]
             t = type(keys)
-            if t is int:
-                self._append((keys, meta))
-            elif t is list:
+            if t is list:
                 if keys:
-                    self._append((keys[:], meta))
+                    try:
+                        self._append((_words(keys), meta))
+                    except (OverflowError, TypeError):
+                        self._append((keys[:], meta))
+            elif t is int:
+                self._append((keys, meta))
             else:
                 self._stage_many(keys, meta)
         except Exception as exc:  # the engine must never see our failures
@@ -222,11 +230,14 @@ class Hook:
         try:
             meta = self._removed_meta[group if medium is None else (group, medium)]
             t = type(keys)
-            if t is int:
-                self._append((keys, meta))
-            elif t is list:
+            if t is list:
                 if keys:
-                    self._append((keys[:], meta))
+                    try:
+                        self._append((_words(keys), meta))
+                    except (OverflowError, TypeError):
+                        self._append((keys[:], meta))
+            elif t is int:
+                self._append((keys, meta))
             else:
                 self._stage_many(keys, meta)
         except Exception as exc:
@@ -303,6 +314,20 @@ class Hook:
         del staged[:n]
         self._flushes += 1
         try:
+            # The usual step: lists staged as word arrays go straight into the slots (no numpy,
+            # few calls: on a VM whose caches went cold during the step, each distinct call
+            # and object costs microseconds).
+            total = 0
+            for item, _ in chunk:
+                if type(item) is not array:
+                    break
+                total += len(item)
+            else:
+                if total <= WORDS_MAX:
+                    accepted = self._writer.write_runs(chunk, total)
+                    if self._resident is not None:
+                        self._resident.apply_runs(chunk, total)  # accepted or dropped: below
+                    return accepted
             return self._publish_chunk(chunk)
         except Exception:
             # The ring or the resident set may lack this chunk: put it back first in line so
@@ -361,7 +386,7 @@ class Hook:
         flat_m: list[int] = []
         for item, meta in chunk:
             t = type(item)
-            if t is list:
+            if t is list or t is array:
                 flat += item
                 flat_m += [meta] * len(item)
             elif t is int:

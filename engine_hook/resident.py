@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -26,10 +27,6 @@ FOLD_AT = 1 << 13
 _MIN_CAP = 1 << 16
 
 
-def _np(q: np.ndarray | array[int], dtype: type) -> np.ndarray:
-    return np.frombuffer(q, dtype) if isinstance(q, array) else q
-
-
 class ResidentSet:
     """(medium, key) -> group mask: per medium, dense (key, mask) columns behind a hash index.
 
@@ -41,10 +38,11 @@ class ResidentSet:
     def __init__(self, capacity: int = _MIN_CAP) -> None:
         self._capacity = capacity
         self._tables: dict[int, KeyTable] = {0: self._table()}
-        # numpy arrays, or the hook's 'Q' word arrays (converted at the fold, off the engine's
-        # step: a numpy call per flush costs far more than the conversion of a whole fold)
-        self._queue_k: list[np.ndarray | array[int]] = []
-        self._queue_m: list[np.ndarray | array[int]] = []
+        # In call order: (keys, metas) with keys a contiguous int64 ndarray or the hook's 'Q'
+        # word array, metas one meta for the whole run (an engine step's list) or a buffer of
+        # one per key. Joined and converted at the fold, off the engine's step: a numpy call per
+        # flush costs far more than the conversion of a whole fold.
+        self._queue: list[tuple[Any, Any]] = []
         self._queued = 0
         self.fold_at: int | None = None  # None: the module's FOLD_AT
 
@@ -70,19 +68,27 @@ class ResidentSet:
         """Queue records (in call order). `copy=False` when the caller hands over fresh arrays."""
         if not len(keys):
             return
-        self._queue_k.append(np.array(keys, np.int64, copy=copy or None))
-        self._queue_m.append(np.array(metas, np.uint64, copy=copy or None))
-        self._queued += len(keys)
-        if self._queued >= (self.fold_at or FOLD_AT):
-            self._fold()
+        if copy:
+            self._enqueue(np.array(keys, np.int64), np.array(metas, np.uint64), len(keys))
+        else:
+            k, m = np.ascontiguousarray(keys, np.int64), np.ascontiguousarray(metas, np.uint64)
+            self._enqueue(k, m, len(keys))
 
     def apply_words(self, keys: array[int], metas: array[int]) -> None:
         """apply() for u64 word arrays (keys in KVCM's signed bit pattern); takes ownership."""
-        if not len(keys):
-            return
-        self._queue_k.append(keys)
-        self._queue_m.append(metas)
-        self._queued += len(keys)
+        if len(keys):
+            self._enqueue(keys, metas, len(keys))
+
+    def apply_runs(self, runs: list[tuple[array[int], int]], n: int) -> None:
+        """apply() for (u64 word array, one meta) runs holding n records; takes ownership."""
+        self._queue += runs
+        self._queued += n
+        if self._queued >= (self.fold_at or FOLD_AT):
+            self._fold()
+
+    def _enqueue(self, keys: Any, metas: Any, n: int) -> None:
+        self._queue.append((keys, metas))
+        self._queued += n
         if self._queued >= (self.fold_at or FOLD_AT):
             self._fold()
 
@@ -99,21 +105,37 @@ class ResidentSet:
     def _fold(self) -> None:
         if not self._queued:
             return
-        keys = np.concatenate([_np(q, np.int64) for q in self._queue_k])
-        metas = np.concatenate([_np(q, np.uint64) for q in self._queue_m])
-        kinds = metas & np.uint64(0xFF)
+        q = self._queue
+        keys = np.frombuffer(b"".join([k for k, _ in q]), np.int64)
+        run_metas = [m for _, m in q]
+        if all(type(m) is int for m in run_metas):
+            # Runs (the hook's step lists): one meta each, so kinds and mediums are known
+            # without a pass over the records.
+            metas = np.repeat(np.array(run_metas, np.uint64), [len(k) for k, _ in q])
+            distinct = set(run_metas)
+            cleared = any(m & 0xFF == KIND_CLEARED for m in distinct)
+            one_medium = all((m >> 16) & 0xFF == 0 for m in distinct)
+        else:
+            parts = [m if type(m) is not int else array("Q", [m]) * len(k) for k, m in q]
+            metas = np.frombuffer(b"".join(parts), np.uint64)
+            cleared, one_medium = True, False  # look at the records
         start = 0
-        for c in np.flatnonzero(kinds == KIND_CLEARED).tolist():
-            self._fold_segment(keys[start:c], metas[start:c])
-            self._tables = {0: self._table()}  # every medium and group gone
-            start = c + 1
-        self._fold_segment(keys[start:], metas[start:])
+        if cleared:
+            kinds = metas & np.uint64(0xFF)
+            for c in np.flatnonzero(kinds == KIND_CLEARED).tolist():
+                self._fold_segment(keys[start:c], metas[start:c])
+                self._tables = {0: self._table()}  # every medium and group gone
+                start = c + 1
+        self._fold_segment(keys[start:], metas[start:], one_medium)
         # Only now: a fold that raised (MemoryError while a table grows) keeps the queue, and
         # folding it again is harmless (the same ops in the same order end in the same state).
-        self._queue_k, self._queue_m, self._queued = [], [], 0
+        self._queue, self._queued = [], 0
 
-    def _fold_segment(self, keys: np.ndarray, metas: np.ndarray) -> None:
+    def _fold_segment(self, keys: np.ndarray, metas: np.ndarray, one_medium: bool = False) -> None:
         if not len(keys):
+            return
+        if one_medium:
+            self._fold_medium(0, keys, metas)
             return
         med = (metas >> np.uint64(16)) & np.uint64(0xFF)
         if not med.any():
@@ -127,7 +149,7 @@ class ResidentSet:
         t = self._tables.get(medium)
         if t is None:
             t = self._tables[medium] = self._table()
-        ukeys, set_m, clr_m = fold_ops(keys, metas)
+        ukeys, set_m, clr_m = fold_ops(keys, metas, ordered=False)
         pos = t.find(ukeys)
         masks = t.cols["masks"]
         m = masks[pos].astype(np.int64)

@@ -411,7 +411,7 @@ def test_resident_fold_that_raises_keeps_its_queue() -> None:
     rs.apply(np.array([5, 6], np.int64), np.full(2, L.pack_meta(L.KIND_STORED), np.uint64))
     real = rs._fold_segment
 
-    def broken(keys: np.ndarray, metas: np.ndarray) -> None:
+    def broken(*args: Any) -> None:
         raise MemoryError("injected")
 
     rs._fold_segment = broken  # type: ignore[method-assign]
