@@ -108,19 +108,8 @@ class KeyIndex:
             free = np.flatnonzero(~used)
             if len(free):
                 if insert:
-                    # Several keys may reach the same empty slot: each writes its mark there,
-                    # one mark survives (no sort needed), its key claims the slot, and the
-                    # others find it taken and probe on.
-                    fs, cand = s[free], todo[free]
-                    self._tpos[fs] = -2 - cand
-                    won = self._tpos[fs] == -2 - cand
-                    winners, claim_s = cand[won], fs[won]
-                    new_pos = np.arange(self.n, self.n + len(winners))
-                    self._tpos[claim_s] = new_pos + 1
-                    self._tkeys[claim_s] = ukeys[winners]
-                    self.keys[new_pos] = ukeys[winners]
-                    self.n += len(winners)
-                    out[winners] = new_pos
+                    cand = todo[free]
+                    won = self._claim(s[free], cand, ukeys, out)
                     done[free[won]] = True
                     # The others look at that slot again (it may now hold their own key, a
                     # copy's): undo the step every key still probing takes below.
@@ -130,6 +119,25 @@ class KeyIndex:
             todo = todo[~done]
             idx[todo] = (idx[todo] + 1) & mask
         return out
+
+    def _claim(
+        self, slots: np.ndarray, cand: np.ndarray, ukeys: np.ndarray, out: np.ndarray
+    ) -> np.ndarray:
+        """Keys `cand` (indexes into ukeys) take the empty `slots` they reached; which won.
+
+        Several keys may reach the same empty slot: each writes its mark there, one mark
+        survives (no sort needed), its key claims the slot and gets the next position; the
+        others find the slot taken (maybe by a copy of their own key) when they look again."""
+        self._tpos[slots] = -2 - cand
+        won: np.ndarray = self._tpos[slots] == -2 - cand
+        winners, claim_s = cand[won], slots[won]
+        new_pos = np.arange(self.n, self.n + len(winners))
+        self._tpos[claim_s] = new_pos + 1
+        self._tkeys[claim_s] = ukeys[winners]
+        self.keys[new_pos] = ukeys[winners]
+        self.n += len(winners)
+        out[winners] = new_pos
+        return won
 
     def _find_tail(
         self, ukeys: np.ndarray, todo: np.ndarray, at: np.ndarray, out: np.ndarray, insert: bool
@@ -151,19 +159,9 @@ class KeyIndex:
             done[rows[found]] = True
             empty, cand = slot[~found], todo[rows[~found]]
             if insert and len(cand):
-                # As in find(): one mark per contested empty slot survives; the others probe
-                # on from that slot (now holding another key, or a copy of theirs).
-                self._tpos[empty] = -2 - cand
-                won = self._tpos[empty] == -2 - cand
-                winners, claim_s = cand[won], empty[won]
-                new_pos = np.arange(self.n, self.n + len(winners))
-                self._tpos[claim_s] = new_pos + 1
-                self._tkeys[claim_s] = ukeys[winners]
-                self.keys[new_pos] = ukeys[winners]
-                self.n += len(winners)
-                out[winners] = new_pos
+                won = self._claim(empty, cand, ukeys, out)
                 done[rows[~found][won]] = True
-                at[cand[~won]] = empty[~won]
+                at[cand[~won]] = empty[~won]  # the others probe on from that slot
             elif len(cand):
                 done[rows[~found]] = True  # an empty slot ends the probe: absent
             rest = todo[~ended]
