@@ -56,9 +56,10 @@ def payloads(
     blocks_per_event: int = BLOCKS_PER_EVENT,
 ) -> list[bytes]:
     """vLLM-format batches: stores of fresh hashes (10 % duplicates of held ones) and removes of
-    held ones, on GPU and CPU; each BlockStored carries its token ids, as vLLM's do."""
+    held ones, on GPU and CPU (a block is removed from the medium it was stored on, as vLLM
+    does; ~50 000 held per medium); each BlockStored carries its token ids, as vLLM's do."""
     rng = random.Random(7)
-    held: list[Any] = []
+    held: dict[str, list[Any]] = {"GPU": [], "CPU": []}
     tokens = list(range(blocks_per_event * BLOCK_SIZE))
     out: list[bytes] = []
     done = 0
@@ -67,19 +68,24 @@ def payloads(
         events: list[Any] = []
         for _ in range(EVENTS_PER_BATCH):
             medium = "GPU" if rng.random() < 0.7 else "CPU"
-            if held and (len(held) > 50_000 or rng.random() < 0.4):
-                take = min(blocks_per_event, len(held))
-                hs = [held.pop(rng.randrange(len(held))) for _ in range(take)]
+            pool = held[medium]
+            if pool and (len(pool) > 50_000 or rng.random() < 0.4):
+                take = min(blocks_per_event, len(pool))
+                hs = []
+                for _ in range(take):
+                    i = rng.randrange(len(pool))
+                    pool[i], pool[-1] = pool[-1], pool[i]
+                    hs.append(pool.pop())
                 fields: dict[str, Any] = {"block_hashes": hs, "medium": medium}
                 name = "BlockRemoved"
             else:
                 hs = [
-                    held[rng.randrange(len(held))]
-                    if held and rng.random() < 0.1
+                    pool[rng.randrange(len(pool))]
+                    if pool and rng.random() < 0.1
                     else (rng.randbytes(32) if digests else rng.getrandbits(64))
                     for _ in range(blocks_per_event)
                 ]
-                held.extend(hs)
+                pool.extend(hs)
                 fields = {
                     "block_hashes": hs,
                     "parent_block_hash": None,

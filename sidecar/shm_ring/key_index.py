@@ -12,6 +12,11 @@ import numpy as np
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 SMALL = 1 << 20  # slots
+# Keys still probing when this few are left go on in windows of _WINDOW slots per numpy round:
+# in a half-full table some probe runs are 20+ slots long, and a round per slot for the last
+# few keys cost a third of a lookup (~20 numpy calls per round, whatever the keys left).
+_TAIL = 512
+_WINDOW = 16
 
 
 def fit(column: np.ndarray, size: int) -> np.ndarray:
@@ -83,7 +88,8 @@ class KeyIndex:
         return (self.n + incoming) * 10 > self.cap * 7
 
     def find(self, ukeys: np.ndarray, insert: bool = True) -> np.ndarray:
-        """Position of each distinct key; missing ones get n, n+1, ... (or -1 if not inserting)."""
+        """Position of each key; missing ones get n, n+1, ... (or -1 if not inserting). A key
+        may repeat: its copies probe in step, one claims the slot, the others find it there."""
         if insert:
             self.keys = fit(self.keys, self.n + len(ukeys))
         mask = self.cap - 1
@@ -91,6 +97,9 @@ class KeyIndex:
         out = np.full(len(ukeys), -1, np.int64)
         todo = np.arange(len(ukeys))
         while len(todo):
+            if len(todo) <= _TAIL:
+                self._find_tail(ukeys, todo, idx, out, insert)
+                break
             s = idx[todo]
             pos = self._tpos[s]
             used = pos > 0
@@ -99,22 +108,62 @@ class KeyIndex:
             free = np.flatnonzero(~used)
             if len(free):
                 if insert:
-                    # Several keys may reach the same empty slot: each writes its mark there,
-                    # one mark survives (no sort needed), its key claims the slot, and the
-                    # others find it taken and probe on.
-                    fs, cand = s[free], todo[free]
-                    self._tpos[fs] = -2 - cand
-                    won = self._tpos[fs] == -2 - cand
-                    winners, claim_s = cand[won], fs[won]
-                    new_pos = np.arange(self.n, self.n + len(winners))
-                    self._tpos[claim_s] = new_pos + 1
-                    self._tkeys[claim_s] = ukeys[winners]
-                    self.keys[new_pos] = ukeys[winners]
-                    self.n += len(winners)
-                    out[winners] = new_pos
+                    cand = todo[free]
+                    won = self._claim(s[free], cand, ukeys, out)
                     done[free[won]] = True
+                    # The others look at that slot again (it may now hold their own key, a
+                    # copy's): undo the step every key still probing takes below.
+                    idx[cand[~won]] -= 1
                 else:
                     done[free] = True  # an empty slot ends the probe: absent
             todo = todo[~done]
             idx[todo] = (idx[todo] + 1) & mask
         return out
+
+    def _claim(
+        self, slots: np.ndarray, cand: np.ndarray, ukeys: np.ndarray, out: np.ndarray
+    ) -> np.ndarray:
+        """Keys `cand` (indexes into ukeys) take the empty `slots` they reached; which won.
+
+        Several keys may reach the same empty slot: each writes its mark there, one mark
+        survives (no sort needed), its key claims the slot and gets the next position; the
+        others find the slot taken (maybe by a copy of their own key) when they look again."""
+        self._tpos[slots] = -2 - cand
+        won: np.ndarray = self._tpos[slots] == -2 - cand
+        winners, claim_s = cand[won], slots[won]
+        new_pos = np.arange(self.n, self.n + len(winners))
+        self._tpos[claim_s] = new_pos + 1
+        self._tkeys[claim_s] = ukeys[winners]
+        self.keys[new_pos] = ukeys[winners]
+        self.n += len(winners)
+        out[winners] = new_pos
+        return won
+
+    def _find_tail(
+        self, ukeys: np.ndarray, todo: np.ndarray, at: np.ndarray, out: np.ndarray, insert: bool
+    ) -> None:
+        """find() for the few keys left (`todo`, probing on from `at`), a window per round."""
+        mask = self.cap - 1
+        steps = np.arange(_WINDOW)
+        while len(todo):
+            win = (at[todo][:, None] + steps) & mask
+            wpos = self._tpos[win]
+            stop = (wpos == 0) | (self._tkeys[win] == ukeys[todo][:, None]) & (wpos > 0)
+            ended = stop.any(axis=1)
+            rows = np.flatnonzero(ended)
+            off = stop[rows].argmax(axis=1)  # the first slot that ends each probe
+            slot, pos = win[rows, off], wpos[rows, off]
+            found = pos > 0
+            out[todo[rows[found]]] = pos[found] - 1
+            done = np.zeros(len(todo), np.bool_)
+            done[rows[found]] = True
+            empty, cand = slot[~found], todo[rows[~found]]
+            if insert and len(cand):
+                won = self._claim(empty, cand, ukeys, out)
+                done[rows[~found][won]] = True
+                at[cand[~won]] = empty[~won]  # the others probe on from that slot
+            elif len(cand):
+                done[rows[~found]] = True  # an empty slot ends the probe: absent
+            rest = todo[~ended]
+            at[rest] = (at[rest] + _WINDOW) & mask
+            todo = todo[~done]

@@ -21,6 +21,8 @@ class BlockCounts:
     def __init__(self, keys: KeyState) -> None:
         self.keys = keys
         self.places: set[tuple[int, int]] = set()  # (medium, group) that ever had a count
+        self._held = 0  # positive counts (kept as they flip: /status and metrics read it often)
+        self._mark = np.zeros(0, np.int64)  # scratch, one entry per dense position
 
     def _counts(self, medium: int, group: int) -> np.ndarray:
         t = self.keys.table(medium)
@@ -38,7 +40,7 @@ class BlockCounts:
 
     def held(self) -> int:
         """(key, medium, group)s with a positive count."""
-        return sum(len(self._positive(m, g)[0]) for m, g in self.places)
+        return self._held
 
     def counts(self) -> dict[tuple[int, int, int], int]:
         """(key, medium, group) -> count of every positive count (tests, checkpoints)."""
@@ -58,6 +60,7 @@ class BlockCounts:
         for m, g in self.places:
             t = self.keys.table(m)
             t.cols[_col(g)][: t.n] = 0
+        self._held = 0
         self.keys.clear_current()
 
     def load(self, medium: int, group: int, keys: np.ndarray, counts: np.ndarray) -> None:
@@ -69,6 +72,7 @@ class BlockCounts:
         old = col[pos]
         col[pos] = old + counts
         flip = (old <= 0) & (old + counts > 0)
+        self._held += int(flip.sum())
         bits = np.full(int(flip.sum()), 1 << group, np.int64)
         self.keys.apply_bits_at(medium, pos[flip], bits, np.zeros_like(bits))
 
@@ -80,54 +84,57 @@ class BlockCounts:
             return
         if mediums.any() or groups.any():
             place = mediums.astype(np.int64) << 8 | groups.astype(np.int64)
-            for p in np.unique(place).tolist():
-                sel = place == p
+            for p in np.flatnonzero(np.bincount(place)).tolist():
+                sel = np.flatnonzero(place == p)
                 self._apply_one(p >> 8, p & 0xFF, keys[sel], signs[sel])
             return
         self._apply_one(0, 0, keys, signs)
 
     def _apply_one(self, medium: int, group: int, keys: np.ndarray, signs: np.ndarray) -> None:
-        # By key, arrival order kept within a key. An unstable sort costs ~40 % of a stable
-        # one here; only the runs of keys that repeat in this batch (few) are then put back in
-        # arrival order among themselves (they already sit where their key belongs).
-        order = np.argsort(keys)
-        k = keys[order]
-        repeat = k[1:] == k[:-1]
-        if repeat.any():
-            in_run = np.zeros(len(k), np.bool_)
-            in_run[1:] = repeat
-            in_run[:-1] |= repeat
-            at = np.flatnonzero(in_run)
-            o = order[at]
-            order[at] = o[np.lexsort((o, keys[o]))]
-            k = keys[order]
-        d = signs[order].astype(np.int64)
-        first = np.ones(len(k), np.bool_)
-        first[1:] = k[1:] != k[:-1]
-        idx = np.flatnonzero(first)
-        ukeys = k[idx]
-        if len(idx) == len(k):  # no key repeats in this batch: one step each
-            total = low = d
+        self._counts(medium, group)
+        t = self.keys.table(medium)
+        pos = t.find(keys, True)  # every event's key, repeats included: one lookup per event
+        col = t.cols[_col(group)]  # after find: an insert may have grown the columns
+        d = signs.astype(np.int64)
+        # Keys that repeat in this batch, found without sorting them all: each event writes
+        # its index at its key's position, and an event that does not read its own back
+        # shares the key with a later one. Those few keys alone are sorted (stable: arrival
+        # order kept within a key); the rest take one step each.
+        if len(self._mark) < t.n:
+            self._mark = np.zeros(max(t.n, 2 * len(self._mark)), np.int64)
+        mark = self._mark
+        ev = np.arange(len(pos))
+        mark[pos] = ev
+        shared = mark[pos] != ev
+        if not shared.any():
+            upos, total, low = pos, d, d
         else:
-            csum = np.cumsum(d)
+            mark[pos[shared]] = -1
+            rep = mark[pos] == -1  # every event of a key that repeats
+            sub = np.flatnonzero(rep)
+            sub = sub[np.argsort(pos[sub], kind="stable")]
+            k, dd = pos[sub], d[sub]
+            first = np.ones(len(k), np.bool_)
+            first[1:] = k[1:] != k[:-1]
+            idx = np.flatnonzero(first)
+            csum = np.cumsum(dd)
             before = np.zeros(len(idx), np.int64)  # the running sum before each key's run
             before[1:] = csum[idx[1:] - 1]
             prefix = csum - np.repeat(before, np.diff(np.append(idx, len(k))))
-            total = prefix[np.append(idx[1:], len(k)) - 1]
-            low = np.minimum.reduceat(prefix, idx)
-        self._counts(medium, group)
-        t = self.keys.table(medium)
-        pos = t.find(ukeys, True)
-        col = t.cols[_col(group)]  # after find: an insert may have grown the columns
-        c0 = col[pos]
+            one = ~rep
+            upos = np.concatenate([pos[one], k[idx]])
+            total = np.concatenate([d[one], prefix[np.append(idx[1:], len(k)) - 1]])
+            low = np.concatenate([d[one], np.minimum.reduceat(prefix, idx)])
+        c0 = col[upos]
         c1 = total - np.minimum(-c0, low)
-        col[pos] = c1
+        col[upos] = c1
         was, now = c0 > 0, c1 > 0
         flip = was != now
         if not flip.any():
             return
-        bit = np.int64(1 << group)
         fnow = now[flip]
+        self._held += 2 * int(fnow.sum()) - len(fnow)
+        bit = np.int64(1 << group)
         set_m = np.where(fnow, bit, np.int64(0))
         clr_m = np.where(fnow, np.int64(0), bit)
-        self.keys.apply_bits_at(medium, pos[flip], set_m, clr_m)
+        self.keys.apply_bits_at(medium, upos[flip], set_m, clr_m)

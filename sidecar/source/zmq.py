@@ -762,11 +762,12 @@ class ZmqSource:
                 next_ckpt = self.clock() + every
 
     def _read_live(self, sock: zmq.Socket[bytes]) -> None:
-        # pyzmq's recv_multipart asks RCVMORE after every frame (~1 us each): a batch is three
-        # frames, so take three and ask once that the message ended there. A message of
-        # another shape then shows as "more after the third frame" (or no third frame): it and
-        # the rest of what was read with it are skipped and counted; a good batch lost that
-        # way is a seq gap, which the replay repairs.
+        # pyzmq's recv_multipart asks RCVMORE after every frame (~1 us each: getsockopt goes
+        # through a Python enum): a batch is three frames, so take three and ask once that the
+        # message ended there, through the payload's Frame (its `more` is read in C). A message
+        # of another shape then shows as "more after the third frame" (or no third frame): it
+        # and the rest of what was read with it are skipped and counted; a good batch lost
+        # that way is a seq gap, which the replay repairs.
         s = self.stream
         recv, more = sock.recv, sock.getsockopt
         nb, rcvmore = int(zmq.NOBLOCK), int(zmq.RCVMORE)
@@ -778,11 +779,12 @@ class ZmqSource:
             self.live_frames += 1
             try:
                 seq_b = recv(nb)
-                payload = recv(nb)
+                frame = recv(nb, copy=False)
             except zmq.Again:  # a message of one or two frames, and nothing after it
                 self._bad_frame("frame_shape", 2)
                 return
-            if more(rcvmore):
+            payload = frame.bytes
+            if frame.more:
                 n = 3
                 while more(rcvmore):
                     recv(nb)

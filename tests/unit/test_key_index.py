@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sidecar.shm_ring import key_index
 from sidecar.shm_ring.key_index import KeyIndex, sized_for
 
 KEYS = st.lists(st.integers(-(2**63), 2**63 - 1), unique=True, max_size=200)
@@ -41,3 +43,30 @@ def test_key_index_insert_absent_wraps_a_run_past_the_table_end() -> None:
     idx.insert_absent(np.array(keys, np.int64))
     assert idx.find(np.array(keys, np.int64), insert=False).tolist() == [0, 1, 2]
     assert sorted(idx._tpos[[15, 0, 1]].tolist()) == [1, 2, 3]  # 15, then wrapped to 0 and 1
+
+
+@pytest.mark.parametrize("tail", [0, 1 << 30], ids=["per-slot", "windows"])
+@given(
+    pre=st.lists(st.integers(0, 60), unique=True, max_size=40),
+    keys=st.lists(st.integers(0, 60), max_size=200),
+)
+def test_key_index_find_gives_every_copy_of_a_key_its_one_position(
+    tail: int, pre: list[int], keys: list[int]
+) -> None:
+    # Few distinct keys in a small table: copies of one key contend for its empty slot in the
+    # same round, and long probe runs wrap. Both probing modes (a round per slot; windows).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(key_index, "_TAIL", tail)
+        idx = KeyIndex(128)
+        assert idx.find(np.array(pre, np.int64)).tolist() == list(range(len(pre)))
+        got = idx.find(np.array(keys, np.int64)).tolist()
+        pos_of: dict[int, int] = dict(zip(pre, range(len(pre)), strict=True))
+        for k, p in zip(keys, got, strict=True):
+            assert pos_of.setdefault(k, p) == p  # old keys keep theirs, copies agree
+        assert sorted(pos_of.values()) == list(range(len(pos_of)))
+        assert idx.n == len(pos_of)
+        both = sorted(pos_of)
+        found = idx.find(np.array(both, np.int64), insert=False).tolist()
+        assert found == [pos_of[k] for k in both]
+        absent = np.array([k for k in range(61, 90)], np.int64)
+        assert (idx.find(absent, insert=False) == -1).all()

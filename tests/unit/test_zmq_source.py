@@ -128,6 +128,7 @@ def test_zmq_decode_and_fold_equals_reference_count_model(
     s.flush()
     want = reference(ops)
     assert s.counts.counts() == want
+    assert s.counts.held() == len(want)  # kept as counts flip, not recounted
     held = {(k, m) for (k, m, g) in want if g == 0}
     published = {(k, m) for m in range(3) for k in ks.published_keys(m).tolist()}
     assert published == held
