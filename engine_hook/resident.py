@@ -19,12 +19,19 @@ import numpy as np
 
 from sidecar.shm_ring.fold import fold_ops
 from sidecar.shm_ring.key_table import KeyTable
-from sidecar.shm_ring.layout import KIND_CLEARED
+from sidecar.shm_ring.layout import KIND_CLEARED, KIND_REMOVED, KIND_STORED
 
 # Queued records before a fold: amortises numpy's fixed per-call cost, while keeping one fold
 # (which runs in the engine's flush) to a few ms; 65 536 made a fold of new keys take 25-80 ms.
 FOLD_AT = 1 << 13
 _MIN_CAP = 1 << 16
+
+
+def _bits(pos: np.ndarray, metas: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(pos, group bits set, group bits cleared) of records that are each their key's only op."""
+    bits = np.left_shift(np.int64(1), ((metas >> np.uint64(8)) & np.uint64(0xFF)).astype(np.int64))
+    kinds = metas & np.uint64(0xFF)
+    return pos, np.where(kinds == KIND_STORED, bits, 0), np.where(kinds == KIND_REMOVED, bits, 0)
 
 
 class ResidentSet:
@@ -149,8 +156,29 @@ class ResidentSet:
         t = self._tables.get(medium)
         if t is None:
             t = self._tables[medium] = self._table()
-        ukeys, set_m, clr_m = fold_ops(keys, metas, ordered=False)
-        pos = t.find(ukeys)
+        # One lookup per record (a repeated key gets its one position), no sort: the records of
+        # positions seen once in this batch are their own last op; only positions that repeat
+        # (usually few) are ordered and reduced (fold_ops on positions). Repeats are found by a
+        # scatter and read-back of record indexes: one of each repeated position's records
+        # reads back its own index, the others do not.
+        pos = t.find(keys)
+        n = len(pos)
+        at = np.arange(n)
+        mark = np.empty(t.n, np.int64)
+        mark[pos] = at
+        lost = mark[pos] != at
+        if lost.any():
+            repeated = np.zeros(t.n, np.bool_)
+            repeated[pos[lost]] = True
+            run = repeated[pos]
+            lone = ~run
+            p_r, set_r, clr_r = fold_ops(pos[run], metas[run])
+            p_l, set_l, clr_l = _bits(pos[lone], metas[lone])
+            pos = np.concatenate([p_l, p_r])
+            set_m = np.concatenate([set_l, set_r])
+            clr_m = np.concatenate([clr_l, clr_r])
+        else:
+            pos, set_m, clr_m = _bits(pos, metas)
         masks = t.cols["masks"]
         m = masks[pos].astype(np.int64)
         masks[pos] = ((m & ~clr_m) | set_m).astype(np.uint32)

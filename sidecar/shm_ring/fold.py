@@ -11,14 +11,10 @@ import numpy as np
 from sidecar.shm_ring.layout import KIND_REMOVED, KIND_STORED
 
 
-def fold_ops(
-    keys: np.ndarray, metas: np.ndarray, *, ordered: bool = True
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def fold_ops(keys: np.ndarray, metas: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(distinct keys, group bits set, group bits cleared) after the last op per (key, group).
 
     `metas` must hold stored/removed records only: the caller splits a batch at each clear.
-    Keys come out ascending; with `ordered=False` in any order, which lets the records of keys
-    that occur once in the batch (usually most) skip the per-run reductions.
     """
     n = len(keys)
     groups = ((metas >> np.uint64(8)) & np.uint64(0xFF)).astype(np.int64)
@@ -29,28 +25,10 @@ def fold_ops(
     # runs of equal keys already sit where they belong).
     order = np.argsort(keys)
     repeat = keys[order[1:]] == keys[order[:-1]]
-    some = bool(repeat.any())
-    if not ordered and (not some or n < 64):
-        if not some:  # each record is its key's only op: its bits are the answer
-            bits = np.left_shift(np.int64(1), groups)
-            return keys, _where(kinds, KIND_STORED, bits), _where(kinds, KIND_REMOVED, bits)
-        ordered = True  # too few records for the split below to pay
-    if some:
+    if repeat.any():
         in_run = np.zeros(n, np.bool_)
         in_run[1:] = repeat
         in_run[:-1] |= repeat
-        if not ordered:
-            # Lone keys' records as they are, the repeated keys' through the full order.
-            rep = np.zeros(n, np.bool_)
-            rep[order[in_run]] = True
-            lone = ~rep
-            bits = np.left_shift(np.int64(1), groups[lone])
-            k_r, s_r, c_r = fold_ops(keys[rep], metas[rep])
-            return (
-                np.concatenate([keys[lone], k_r]),
-                np.concatenate([_where(kinds[lone], KIND_STORED, bits), s_r]),
-                np.concatenate([_where(kinds[lone], KIND_REMOVED, bits), c_r]),
-            )
         at = np.flatnonzero(in_run)
         o = order[at]
         order[at] = o[np.lexsort((o, groups[o], keys[o]))]
@@ -59,8 +37,8 @@ def fold_ops(
     last[:-1] = (k_s[1:] != k_s[:-1]) | (g_s[1:] != g_s[:-1])
     k_s, g_s, kind_s = k_s[last], g_s[last], kind_s[last]
     bits = np.left_shift(np.int64(1), g_s)
-    setb = _where(kind_s, KIND_STORED, bits)
-    clrb = _where(kind_s, KIND_REMOVED, bits)
+    setb = np.where(kind_s == KIND_STORED, bits, 0)
+    clrb = np.where(kind_s == KIND_REMOVED, bits, 0)
     first = np.ones(len(k_s), np.bool_)
     first[1:] = k_s[1:] != k_s[:-1]
     idx = np.flatnonzero(first)
@@ -68,8 +46,3 @@ def fold_ops(
         empty = np.empty(0, np.int64)
         return empty, empty, empty
     return k_s[idx], np.bitwise_or.reduceat(setb, idx), np.bitwise_or.reduceat(clrb, idx)
-
-
-def _where(kinds: np.ndarray, kind: int, bits: np.ndarray) -> np.ndarray:
-    out: np.ndarray = np.where(kinds == kind, bits, 0)
-    return out
