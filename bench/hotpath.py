@@ -345,6 +345,18 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _thread_switches(tid: int) -> tuple[int, int]:
+    """(voluntary, nonvoluntary) context switches of one thread of this process."""
+    vol = nonvol = 0
+    with open(f"/proc/self/task/{tid}/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches"):
+                vol = int(line.split()[1])
+            elif line.startswith("nonvoluntary_ctxt_switches"):
+                nonvol = int(line.split()[1])
+    return vol, nonvol
+
+
 def _paced(
     spec: dict[str, Any], hook: Hook | None, pub: vllm_publisher.Publisher | None
 ) -> dict[str, Any]:
@@ -356,8 +368,11 @@ def _paced(
     keys = [[rng.getrandbits(64) for _ in range(k)] for _ in range(warm + measured + CACHE_STEPS)]
     tokens = list(range(k * BLOCK_SIZE))
     lat: list[int] = []
-    clock = time.perf_counter_ns
+    cpu: list[int] = []
+    clock, tclock = time.perf_counter_ns, time.thread_time_ns
 
+    # Every system times its call the same way (wall and thread CPU: the thread-CPU clock is a
+    # syscall, ~1 us here), so the timers cancel out of the net figures; `none` times nothing.
     def steps(first: int, n: int) -> None:
         next_t = time.perf_counter()
         for i in range(first, first + n):
@@ -365,17 +380,19 @@ def _paced(
             if hook is not None:
                 hook.stored(new)
                 hook.removed(old)
-                t = clock()
+                c, t = tclock(), clock()
                 hook.flush()
-                lat.append(clock() - t)
+                t1, c1 = clock(), tclock()
             elif pub is not None:
                 batch = vllm_publisher.step_batch(new, old, None, tokens, BLOCK_SIZE)
-                t = clock()
+                c, t = tclock(), clock()
                 pub.publish(batch)
-                lat.append(clock() - t)
+                t1, c1 = clock(), tclock()
             else:
-                t = clock()
-                lat.append(clock() - t)
+                c, t = tclock(), clock()
+                t1, c1 = clock(), tclock()
+            lat.append(t1 - t)
+            cpu.append(c1 - c)
             next_t += period
             d = next_t - time.perf_counter()
             if d > 0:
@@ -388,18 +405,34 @@ def _paced(
     if pub is not None:
         _wait_sent(pub, warm)
     lat.clear()
-    c0, x0, t0 = time.process_time_ns(), _switches(), time.perf_counter()
+    cpu.clear()
+    flusher = hook._thread if hook is not None else None
+    fclock = time.pthread_getcpuclockid(flusher.ident) if flusher and flusher.ident else None
+    main_tid = threading.get_native_id()
+    f0 = time.clock_gettime_ns(fclock) if fclock is not None else 0
+    s0 = _thread_switches(main_tid)
+    c0, m0, x0, t0 = time.process_time_ns(), tclock(), _switches(), time.perf_counter()
     steps(warm, measured)
     if pub is not None:
         _wait_sent(pub, warm + measured)  # its thread's work for these steps counts too
-    c1, x1, t1 = time.process_time_ns(), _switches(), time.perf_counter()
+    c1, m1, x1, t1 = time.process_time_ns(), tclock(), _switches(), time.perf_counter()
+    f1 = time.clock_gettime_ns(fclock) if fclock is not None else 0
+    s1 = _thread_switches(main_tid)
     events = 2 * k * measured
     return {
         "cpu_ns_per_event": (c1 - c0) / events,
+        # where the process CPU went: the engine's own thread, the hook's flusher, the rest
+        # (the vLLM-style publisher's thread and pyzmq's I/O thread)
+        "main_thread_ns_per_event": (m1 - m0) / events,
+        "flusher_ns_per_event": (f1 - f0) / events,
         "achieved_events_per_s": events / (t1 - t0),
         "wakeups_per_s": (x1 - x0) / (t1 - t0),
+        # the engine thread preempted (by the reader, the VM's other tenants) per 1 000 steps
+        "main_preempted_per_1k_steps": (s1[1] - s0[1]) * 1000 / measured,
         "call_p50_us": _pct(lat, 0.5) / 1e3,
         "call_p99_us": _pct(lat, 0.99) / 1e3,
+        "call_cpu_p50_us": _pct(cpu, 0.5) / 1e3,
+        "call_cpu_p99_us": _pct(cpu, 0.99) / 1e3,
     }
 
 
@@ -553,8 +586,20 @@ def bench_paced(ks: list[int], rates: list[int], seconds: float, reps: int) -> d
                     r["cpu_ns_per_event"] - f for r, f in zip(rs, floor, strict=True)
                 ]
                 row[f"{system}_raw_ns_per_event"] = [r["cpu_ns_per_event"] for r in rs]
-                row[f"{system}_call_p50_us"] = [r["call_p50_us"] for r in rs]
-                row[f"{system}_call_p99_us"] = [r["call_p99_us"] for r in rs]
+                for key in (
+                    "call_p50_us",
+                    "call_p99_us",
+                    "call_cpu_p50_us",
+                    "call_cpu_p99_us",
+                    "main_preempted_per_1k_steps",
+                ):
+                    row[f"{system}_{key}"] = [r[key] for r in rs]
+                # the engine thread's and the flusher's shares, net of the floor's main thread
+                row[f"{system}_main_ns_per_event"] = [
+                    r["main_thread_ns_per_event"] - f["main_thread_ns_per_event"]
+                    for r, f in zip(rs, runs["none"], strict=True)
+                ]
+                row[f"{system}_flusher_ns_per_event"] = [r["flusher_ns_per_event"] for r in rs]
                 row[f"{system}_wakeups_per_s"] = [r["wakeups_per_s"] for r in rs]
                 row[f"{system}_achieved_events_per_s"] = [r["achieved_events_per_s"] for r in rs]
             row["floor_wakeups_per_s"] = [r["wakeups_per_s"] for r in runs["none"]]
@@ -565,13 +610,17 @@ def bench_paced(ks: list[int], rates: list[int], seconds: float, reps: int) -> d
             ]
             out[f"k{k}_rate{rate}"] = row
             sp = {
-                key: _span(v, 1 if "ratio" in key or "p99" in key else 0) for key, v in row.items()
+                key: _span(v, 1 if "ratio" in key or "_us" in key else 0) for key, v in row.items()
             }
             print(
                 f"paced k={k:<3d} {rate:>6d} ev/s  hook {sp['hook_ns_per_event']} ns/ev"
-                f"  vllm {sp['vllm_ns_per_event']}  ratio {sp['ratio_vllm_over_hook']}"
-                f"  flush p99 {sp['hook_call_p99_us']} us  wakeups/s hook"
-                f" {sp['hook_wakeups_per_s']} vllm {sp['vllm_wakeups_per_s']}"
+                f" (engine thread {sp['hook_main_ns_per_event']}, flusher"
+                f" {sp['hook_flusher_ns_per_event']})  vllm {sp['vllm_ns_per_event']}"
+                f"  ratio {sp['ratio_vllm_over_hook']}"
+                f"  flush p50/p99 wall {sp['hook_call_p50_us']}/{sp['hook_call_p99_us']} us"
+                f" cpu {sp['hook_call_cpu_p50_us']}/{sp['hook_call_cpu_p99_us']} us"
+                f"  preempted/1k steps {sp['hook_main_preempted_per_1k_steps']}"
+                f"  wakeups/s hook {sp['hook_wakeups_per_s']} vllm {sp['vllm_wakeups_per_s']}"
                 f" none {sp['floor_wakeups_per_s']}"
                 f"  (polled reader: hook {sp['hook_polled_ns_per_event']})",
                 flush=True,
@@ -646,6 +695,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "hotpath.json")
     ap.add_argument("--ks", default="16,32,64", help="keys stored (and removed) per step")
     ap.add_argument("--rates", default="5000,20000,80000", help="paced events/s")
+    ap.add_argument("--paced-only", action="store_true", help="paced steps only (no JSON)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -655,6 +705,9 @@ def main() -> None:
     if args.quick:
         args.events, args.reps, args.seconds, args.idle_seconds = 8_192, 1, 0.1, 0.5
         ks, rates = [32], [20_000]
+    if args.paced_only:
+        bench_paced(ks, rates, args.seconds, args.reps)
+        return
     floor = _cpu_ns_per_event(lambda: sum(1 for _ in range(args.events)), lambda: None)
     hook = bench_hook(args.events)
     base = bench_vllm_style(args.events)

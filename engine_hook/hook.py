@@ -44,17 +44,18 @@ SCALAR_FLUSH_MAX = 16
 # The flusher's liveness stamp period while idle; the sidecar declares an engine dead only after
 # engine.stale_after_s (default 5 s) without a stamp.
 STAMP_S = 1.0
-# While the engine flushes itself the flusher is only a safety net: it looks every
-# SELF_FLUSH_FACTOR * max_stage_delay_ms (100 ms by default, at most STAMP_S) instead of every
-# max_stage_delay_ms, because each wake-up of a thread costs ~20 us of CPU on a VM.
-SELF_FLUSH_FACTOR = 20
+# While the engine flushes itself the flusher is only a safety net: it looks at its stamp, once
+# a second, not every max_stage_delay_ms: each wake-up of a sleeping thread costs 65-100 us of
+# CPU on this VM (bench/README.md), so a look every 100 ms cost an engine at 5 k events/s
+# ~400 ns per event, more than its own flushes.
 FOLD_BEHIND = 1 << 16  # queued resident records at which the engine's own flush folds
+_NEVER = 1 << 62
 
 
 class _Mode:
     QUIET = "quiet"  # nothing staged: asleep until the stamp; the first staging posts the bell
     WATCH = "watch"  # records staged that the engine does not flush: publish every delay
-    SELF = "self"  # the engine flushes itself: look every SELF_FLUSH_FACTOR * delay
+    SELF = "self"  # the engine flushes itself: look at the stamp (and when a fold is due)
 
 
 class _RateLimitedLog:
@@ -187,13 +188,15 @@ class Hook:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._delay_s = descriptor.max_stage_delay_ms / 1000.0
-        self._self_check_s = min(STAMP_S, max(self._delay_s, SELF_FLUSH_FACTOR * self._delay_s))
         self._mode = _Mode.QUIET
         self._own_flushes = 0  # publishes made by the flusher thread (the rest are the engine's)
         self._engine_flushes_seen = 0
         self._next_stamp = 0.0
         self._turns = 0
         self._bell = EngineBell(segment.name) if start_flusher else None
+        # Queued resident records at which a flush posts the flusher to fold (once, until it
+        # has): the fold runs in the flusher, never in the engine's flush.
+        self._fold_post_at = resident.FOLD_AT if start_flusher else _NEVER
         if start_flusher:
             self._arm()
             self._thread = threading.Thread(
@@ -320,15 +323,21 @@ class Hook:
             total = 0
             for item, _ in chunk:
                 if type(item) is not array:
+                    total = WORDS_MAX + 1
                     break
                 total += len(item)
+            rs = self._resident
+            if total <= WORDS_MAX:
+                accepted = self._writer.write_runs(chunk, total)
+                if rs is not None:
+                    rs.apply_runs(chunk, total)  # accepted or dropped: see _publish_chunk
             else:
-                if total <= WORDS_MAX:
-                    accepted = self._writer.write_runs(chunk, total)
-                    if self._resident is not None:
-                        self._resident.apply_runs(chunk, total)  # accepted or dropped: below
-                    return accepted
-            return self._publish_chunk(chunk)
+                accepted = self._publish_chunk(chunk)
+            if rs is not None and rs.queued >= self._fold_post_at:
+                self._fold_post_at = _NEVER  # until the flusher has folded
+                if self._bell is not None:
+                    self._bell.post()
+            return accepted
         except Exception:
             # The ring or the resident set may lack this chunk: put it back first in line so
             # the next flush publishes it again, in order. Nothing is lost, and a transition
@@ -523,12 +532,13 @@ class Hook:
                 rs = self._resident
                 if rs is not None and rs.queued and (stamp or rs.queued >= resident.FOLD_AT):
                     rs.fold()
+                self._fold_post_at = resident.FOLD_AT
                 if wait_for_engine and not published:
                     self._mode = _Mode.WATCH
                     return self._delay_s
                 if engine_flushed:
                     self._mode = _Mode.SELF
-                    return min(self._self_check_s, self._next_stamp - now)
+                    return self._next_stamp - now
                 if published:
                     self._mode = _Mode.WATCH
                     return self._delay_s

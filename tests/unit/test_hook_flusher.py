@@ -90,20 +90,21 @@ def test_hook_flusher_is_not_woken_per_step_of_an_engine_that_flushes(ring_name:
     h._flusher_turn(True, 0.01)
     h.removed([1])
     h.flush()  # the engine flushes its own step
-    assert h._flusher_turn(False, 0.02) == pytest.approx(h._self_check_s)
+    # Only a safety net now: it sleeps until its liveness stamp (one wake-up a second).
+    assert h._flusher_turn(False, 0.02) == pytest.approx(hook_mod.STAMP_S - 0.02)
     assert h.stats()["flusher_mode"] == "self"
     for step in range(50):
         h.stored([100 + step] * 3)
         h.removed([100 + step])
         h.flush()
         assert not h._bell.wait(0), f"step {step} woke the flusher"
-    assert h._flusher_turn(False, 0.2) == pytest.approx(h._self_check_s)
+    assert h._flusher_turn(False, 1.0) == pytest.approx(hook_mod.STAMP_S)
     assert h.stats()["flusher_mode"] == "self"
     h.stored([7])  # staged, and the engine stops flushing: the next look publishes it
-    h._flusher_turn(False, 0.3)
+    h._flusher_turn(False, 2.0)
     assert _keys(reader)[-1] == 7
     assert h.stats()["flusher_mode"] == "watch"
-    h._flusher_turn(False, 0.31)
+    h._flusher_turn(False, 2.01)
     assert h.stats()["flusher_mode"] == "quiet"
     h.close()
     reader.close()
@@ -164,5 +165,47 @@ def test_hook_flush_rings_a_sleeping_readers_doorbell_after_publishing(ring_name
     h.flush()  # nothing new: no post
     assert sem.value == 1
     sem.close()
+    h.close()
+    reader.close()
+
+
+def test_hook_flush_posts_the_flusher_once_to_fold_and_never_folds_itself(
+    ring_name: str,
+) -> None:
+    """The resident set's fold runs in the flusher: a flush that leaves FOLD_AT records queued
+    posts it once (not per flush), the flusher's turn folds them all and re-arms the post."""
+    from engine_hook import resident
+
+    h, reader = _driven(ring_name)
+    assert h._bell is not None and h._resident is not None
+    h._resident.fold_at = hook_mod.FOLD_BEHIND  # as with a flusher thread
+    h._fold_post_at = resident.FOLD_AT
+    h._flusher_turn(False, 0.0)
+    h.stored([1])
+    h.flush()
+    assert h._bell.wait(0)  # the first staging's post
+    h._flusher_turn(True, 0.001)  # the engine flushed itself: SELF
+    per_step = 64
+    steps = resident.FOLD_AT // (2 * per_step)
+    for step in range(steps - 1):
+        keys = list(range(10 + step * per_step, 10 + (step + 1) * per_step))
+        h.stored(keys)
+        h.removed(keys)
+        h.flush()
+        assert not h._bell.wait(0), f"step {step} woke the flusher"
+    assert 0 < h._resident.queued < resident.FOLD_AT
+    h.stored([5] * per_step)
+    h.removed([6] * per_step)
+    h.flush()  # FOLD_AT reached: one post, and the engine's flush did not fold
+    assert h._resident.queued >= resident.FOLD_AT
+    h.stored([5])
+    h.flush()
+    assert h._bell.wait(0) and not h._bell.wait(0)
+    h._flusher_turn(True, 0.01)
+    assert h._resident.queued == 0
+    assert h._resident.as_dict() == {(1, 0): 1, (5, 0): 1}
+    h.stored(list(range(100, 100 + resident.FOLD_AT)))
+    h.flush()
+    assert h._bell.wait(0)  # re-armed by the fold
     h.close()
     reader.close()
