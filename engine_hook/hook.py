@@ -215,14 +215,14 @@ class Hook:
         try:
             meta = self._stored_meta[group if medium is None else (group, medium)]
             t = type(keys)
-            if t is list:
+            if t is int:
+                self._append((keys, meta))
+            elif t is list:
                 if keys:
                     try:
                         self._append((_words(keys), meta))
                     except (OverflowError, TypeError):
                         self._append((keys[:], meta))
-            elif t is int:
-                self._append((keys, meta))
             else:
                 self._stage_many(keys, meta)
         except Exception as exc:  # the engine must never see our failures
@@ -233,14 +233,14 @@ class Hook:
         try:
             meta = self._removed_meta[group if medium is None else (group, medium)]
             t = type(keys)
-            if t is list:
+            if t is int:
+                self._append((keys, meta))
+            elif t is list:
                 if keys:
                     try:
                         self._append((_words(keys), meta))
                     except (OverflowError, TypeError):
                         self._append((keys[:], meta))
-            elif t is int:
-                self._append((keys, meta))
             else:
                 self._stage_many(keys, meta)
         except Exception as exc:

@@ -431,3 +431,35 @@ def test_hook_unsetting_no_provider_keeps_the_resident_set(ring_name: str) -> No
     hook.set_snapshot_provider(None)  # a provider removed: counted, the record starts empty
     assert hook.stats()["problems"].get("provider_removed") == 1
     hook.close()
+
+
+@pytest.mark.parametrize("head_at", [0, 5, 12])
+def test_writer_write_runs_matches_write_across_the_wrap_and_when_full(
+    ring_name: str, head_at: int
+) -> None:
+    """write_runs (a step's lists as 'Q' runs, one meta each) stores exactly what write() would:
+    in one piece, across the ring's end, and dropping the newest beyond the free slots."""
+    from array import array
+
+    from sidecar.shm_ring.writer import RingWriter
+
+    stored, removed = L.pack_meta(L.KIND_STORED, 1), L.pack_meta(L.KIND_REMOVED, 0, 2)
+    seg = Segment(ring_name, 16)
+    w = RingWriter(seg)
+    reader = RingReader(Segment(ring_name))
+    w.write(np.arange(100, 100 + head_at, dtype=np.int64), stored)
+    reader.read()  # the head follows: the next write starts at slot head_at
+    runs = [(array("Q", [1, 2**64 - 1, 3]), stored), (array("Q", range(10, 25)), removed)]
+    assert w.write_runs(runs, 18) == 16  # 16 free slots: the last two records are dropped
+    assert w.dropped == 2 and w.last_seq == head_at + 16
+    recs = reader.read().records
+    want_keys = [1, -1, 3, *range(10, 23)]
+    assert [int(k) for k in recs[:, L.C_KEY].view(np.int64)] == want_keys
+    assert [int(m) for m in recs[:, L.C_META]] == [stored] * 3 + [removed] * 13
+    assert [int(s) for s in recs[:, L.C_SEQ]] == list(range(head_at + 1, head_at + 17))
+    assert not recs[:, L.C_PARENT].any()
+    assert w.write_runs([(array("Q", [7, 8]), stored)], 2) == 2  # room again, wrapped or not
+    assert [int(k) for k in reader.read().records[:, L.C_KEY]] == [7, 8]
+    reader.close()
+    w.close()
+    seg.close()
