@@ -624,3 +624,19 @@ def test_zmq_source_live_frames_of_another_shape_are_skipped_and_counted(
         pull.close(0)
         ctx.term()
         src.close()
+
+
+def test_zmq_stream_unreadable_block_hashes_forget_and_what_follows_is_kept() -> None:
+    # The typed decode keeps hashes as msgpack; one that is no array of ints / bytes shows at
+    # the flush, after its batch was taken: the state is lost there (a forget), the events
+    # after it (same batch, later batches of the same flush) are the new truth.
+    s = stream()
+    s.on_live(0, payload([stored(1), stored(2)]))
+    assert published(s) == {1, 2}
+    bad = {"type": "BlockRemoved", "block_hashes": "not-a-list"}
+    s.on_live(1, payload([removed(1), bad, stored(3)]))
+    s.on_live(2, payload([stored(4), removed(3)]))
+    assert published(s) == {4}
+    assert s.forgets == {"malformed_replay": 1}
+    assert s.decode_errors["malformed_event"] == 1
+    assert s.last_seq == 2 and s.forget_pending
