@@ -82,12 +82,16 @@ class KeyTable:
         out: np.ndarray = np.flatnonzero(mask)
         return out
 
-    def find(self, ukeys: np.ndarray, insert: bool = True) -> np.ndarray:
-        """Dense position of each distinct key; new ones get zeroed columns (or -1 if not
-        inserting)."""
+    def find(
+        self, ukeys: np.ndarray, insert: bool = True, incoming: int | None = None
+    ) -> np.ndarray:
+        """Dense position of each key (repeats allowed); new ones get zeroed columns (or -1 if
+        not inserting). `incoming`: how many distinct keys there may be (default: all of them);
+        it paces and sizes the re-index, so counting every repeat as new would start one early,
+        size it too big and finish it in one call."""
         if not insert:
             return self.idx.find(ukeys, insert=False)
-        self._reindex_step(len(ukeys))
+        self._reindex_step(len(ukeys) if incoming is None else incoming)
         before = self.idx.n
         pos = self.idx.find(ukeys)
         for name, col in self.cols.items():

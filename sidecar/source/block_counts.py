@@ -17,6 +17,25 @@ def _col(group: int) -> str:
     return f"count{group}"
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_BITS = 16
+
+
+def _distinct_estimate(keys: np.ndarray) -> int:
+    """About how many distinct keys `keys` holds, from above (linear counting in a 2^16-bit
+    map, ~0.3 % error up to 50 000 keys, +10 %): what paces the table's re-index, without
+    sorting the batch. Small batches count every key."""
+    if len(keys) <= 4096:
+        return len(keys)
+    bits = np.zeros(1 << _BITS, np.bool_)
+    bits[(keys.view(np.uint64) * _GOLDEN) >> np.uint64(64 - _BITS)] = True
+    empty = (1 << _BITS) - int(np.count_nonzero(bits))
+    if not empty:
+        return len(keys)
+    est = (1 << _BITS) * float(np.log((1 << _BITS) / empty))
+    return min(len(keys), int(est * 1.1) + 64)
+
+
 class BlockCounts:
     def __init__(self, keys: KeyState) -> None:
         self.keys = keys
@@ -64,14 +83,20 @@ class BlockCounts:
         self.keys.clear_current()
 
     def load(self, medium: int, group: int, keys: np.ndarray, counts: np.ndarray) -> None:
-        """Add distinct keys with positive counts (a checkpoint being restored)."""
+        """Add keys' counts (a checkpoint being restored): a key listed twice adds up, counts
+        <= 0 are ignored (a damaged file must not hold a key below 0 or count it held)."""
         self._counts(medium, group)
+        counts = np.asarray(counts, np.int64)
+        keep = counts > 0
+        ukeys, inv = np.unique(np.asarray(keys, np.int64)[keep], return_inverse=True)
+        add = np.zeros(len(ukeys), np.int64)
+        np.add.at(add, inv, counts[keep])
         t = self.keys.table(medium)
-        pos = t.find(keys, True)
+        pos = t.find(ukeys, True)
         col = t.cols[_col(group)]
         old = col[pos]
-        col[pos] = old + counts
-        flip = (old <= 0) & (old + counts > 0)
+        col[pos] = old + add
+        flip = (old <= 0) & (old + add > 0)
         self._held += int(flip.sum())
         bits = np.full(int(flip.sum()), 1 << group, np.int64)
         self.keys.apply_bits_at(medium, pos[flip], bits, np.zeros_like(bits))
@@ -93,7 +118,8 @@ class BlockCounts:
     def _apply_one(self, medium: int, group: int, keys: np.ndarray, signs: np.ndarray) -> None:
         self._counts(medium, group)
         t = self.keys.table(medium)
-        pos = t.find(keys, True)  # every event's key, repeats included: one lookup per event
+        # Every event's key, repeats included: one lookup per event.
+        pos = t.find(keys, True, incoming=_distinct_estimate(keys))
         col = t.cols[_col(group)]  # after find: an insert may have grown the columns
         d = signs.astype(np.int64)
         # Keys that repeat in this batch, found without sorting them all: each event writes

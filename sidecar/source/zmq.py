@@ -28,7 +28,7 @@ from sidecar.source import checkpoint as ckpt
 from sidecar.source.base import Identity, Watch, WatchResult
 from sidecar.source.block_counts import BlockCounts
 from sidecar.source.health import probe
-from sidecar.source.zmq_events import Decoded, EventDecoder, Segment, to_blocks
+from sidecar.source.zmq_events import ERR_EVENT, Blocks, Decoded, EventDecoder, Segment, to_blocks
 
 log = logging.getLogger(__name__)
 
@@ -303,9 +303,17 @@ class Stream:
         """Fold what was decoded since the last flush into the counts (and the key state)."""
         if not self._pend:
             return
-        b, events = to_blocks(self._pend)
+        b, events, cut = to_blocks(self._pend)
         self._pend = []
         self.events += events
+        if cut is not None:
+            # An event's hashes turned out unreadable (a string, a float, not an array: the
+            # typed decode leaves them as msgpack, so the batch was taken): its changes are
+            # lost and the counts can no longer be trusted. Forget, then follow what came
+            # after it.
+            self.decode_errors[ERR_EVENT] += 1
+            self.forget(F_MALFORMED, "an event's block_hashes are unreadable")
+            b = Blocks(b.keys[cut:], b.mediums[cut:], b.groups[cut:], b.signs[cut:])
         self.blocks += len(b.keys)
         self.counts.apply(b.keys, b.mediums, b.groups, b.signs)
         self.changed = True

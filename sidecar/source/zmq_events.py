@@ -2,8 +2,9 @@
 
 Imports: stdlib, numpy, msgspec. `[ts, events, dp_rank?]`; events are tagged maps (`type`) or,
 from older releases, positional arrays (tag first, trailing fields optional); unknown fields are
-ignored, absent ones tolerated, unknown event types skipped. Hashes (ints or byte digests) keep
-their low 64 bits (bytes big-endian) as int64 patterns; typed decoders first, generic as a fallback.
+ignored, absent ones tolerated, unknown event types skipped. Typed decoders first, generic as a
+fallback; each event's hashes stay msgpack (msgspec.Raw) until the flush reads a whole loop
+turn's at once (hash_arrays.py: ints or byte digests, their low 64 bits as int64 patterns).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-M64 = (1 << 64) - 1
+from sidecar.source.hash_arrays import fold_hashes as fold_hashes
+from sidecar.source.hash_arrays import read_keys
+
 STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
 KNOWN = frozenset((STORED, REMOVED, CLEARED))
 
@@ -28,15 +31,15 @@ DROP_BLOCK_SIZE = "block_size"
 DROP_MEDIUM = "unknown_medium"
 
 
-def _structs(hash_t: Any, positional: bool) -> tuple[Any, Any, Any]:
-    """(BlockStored, BlockRemoved, AllBlocksCleared) for one hash type and encoding."""
+def _structs(positional: bool) -> tuple[Any, Any, Any]:
+    """(BlockStored, BlockRemoved, AllBlocksCleared) for one encoding."""
     raw = msgspec.Raw  # decoded lazily, never materialised (token_ids is the bulk of a batch)
     opts: dict[str, Any] = {"tag": True, "array_like": positional, "gc": False}
     if not positional:
         opts["tag_field"] = "type"
     if positional:
         stored_fields: list[Any] = [
-            ("block_hashes", list[hash_t]),
+            ("block_hashes", raw),
             ("parent_block_hash", raw, msgspec.field(default_factory=raw)),
             ("token_ids", raw, msgspec.field(default_factory=raw)),
             ("block_size", int | None, None),
@@ -48,13 +51,13 @@ def _structs(hash_t: Any, positional: bool) -> tuple[Any, Any, Any]:
         ]
     else:  # by name: undeclared fields (token_ids, parent_block_hash, ...) are skipped
         stored_fields = [
-            ("block_hashes", list[hash_t]),
+            ("block_hashes", raw),
             ("block_size", int | None, None),
             ("medium", str | None, None),
             ("group_idx", int | None, None),
         ]
     removed_fields: list[Any] = [
-        ("block_hashes", list[hash_t]),
+        ("block_hashes", raw),
         ("medium", str | None, None),
         ("group_idx", int | None, None),
     ]
@@ -76,24 +79,16 @@ def _batch_decoder(events_t: Any) -> msgspec.msgpack.Decoder[Any]:
 
 
 class _Variant:
-    """One typed decoding: (hash type, encoding) -> batch and single-event decoders."""
+    """One typed decoding (an encoding: maps or positional) -> batch and single-event decoders."""
 
-    def __init__(self, hash_t: Any, positional: bool) -> None:
-        self.kind = {int: "int", bytes: "bytes"}.get(hash_t, "mixed")
-        s, r, c = _structs(hash_t, positional)
+    def __init__(self, positional: bool) -> None:
+        s, r, c = _structs(positional)
         self.stored, self.removed, self.cleared = s, r, c
         self.batch = _batch_decoder(list[s | r | c])  # type: ignore[valid-type]
         self.event = msgspec.msgpack.Decoder(s | r | c)
 
 
-_VARIANTS = [
-    _Variant(int, False),
-    _Variant(bytes, False),
-    _Variant(int, True),
-    _Variant(bytes, True),
-    _Variant(int | bytes, False),
-    _Variant(int | bytes, True),
-]
+_VARIANTS = [_Variant(False), _Variant(True)]
 _TAG: dict[type, str] = {
     cls: name
     for v in _VARIANTS
@@ -114,15 +109,13 @@ class Blocks:
 
 
 class Segment:
-    """Block events of one batch between clears, as Python lists (one entry per event, the
-    hashes flat); `kind` says what the hashes are: "int", "bytes" or "mixed"."""
+    """Block events of one batch between clears, as Python lists, one entry per event (its
+    hashes as they came: msgpack, read at the flush)."""
 
-    __slots__ = ("counts", "groups", "hashes", "kind", "meds", "signs")
+    __slots__ = ("groups", "hashes", "meds", "signs")
 
-    def __init__(self, kind: str) -> None:  # plain slots: built once per batch, on the hot path
-        self.kind = kind
-        self.hashes: list[Any] = []
-        self.counts: list[int] = []  # hashes per event
+    def __init__(self) -> None:  # plain slots: built once per batch, on the hot path
+        self.hashes: list[Any] = []  # msgspec.Raw: one msgpack array per event
         self.meds: list[int] = []
         self.groups: list[int] = []
         self.signs: list[int] = []
@@ -141,60 +134,32 @@ class Decoded:
         self.error = error  # why not ok
 
 
-def fold_hashes(hashes: list[Any], kind: str = "mixed") -> np.ndarray:
-    """Block hashes -> int64 bit patterns: ints keep their low 64 bits; bytes are big-endian,
-    low 64 bits (a 32-byte digest keeps its last 8 bytes). `kind` "int" / "bytes" promises
-    that every hash is of that type (numpy would read b"12" as the number 12)."""
-    if not hashes:
-        return np.zeros(0, np.int64)
-    if kind == "int":
-        try:
-            out: np.ndarray = np.array(hashes, np.uint64).view(np.int64)
-            return out
-        except OverflowError:
-            pass  # negative ints: one by one below
-    elif kind == "bytes" and all(len(h) == 32 for h in hashes):
-        rows = np.frombuffer(b"".join(hashes), np.uint8).reshape(-1, 32)
-        tail = np.ascontiguousarray(rows[:, 24:]).view(">u8").ravel()
-        out = tail.astype(np.uint64).view(np.int64)
-        return out
-    vals = [(int.from_bytes(h, "big") if isinstance(h, bytes) else int(h)) & M64 for h in hashes]
-    return np.array(vals, np.uint64).view(np.int64)
-
-
-def to_blocks(segments: list[Segment]) -> tuple[Blocks, np.ndarray]:
-    """One set of arrays for several segments, and the events they hold per medium index and
-    type: counts[2 * medium + 1] stored, counts[2 * medium] removed (512 entries)."""
-    kinds = {s.kind for s in segments}
-    kind = kinds.pop() if len(kinds) == 1 else "mixed"
+def to_blocks(segments: list[Segment]) -> tuple[Blocks, np.ndarray, int | None]:
+    """One set of arrays for several segments; the events they hold per medium index and type
+    (counts[2 * medium + 1] stored, counts[2 * medium] removed, 512 entries); and the index of
+    the first block after the last event whose hashes are malformed (None: none is), so that
+    the caller can tell what it cannot trust."""
     if len(segments) == 1:
         seg = segments[0]
-        hashes, counts, meds, groups, signs = (
-            seg.hashes,
-            seg.counts,
-            seg.meds,
-            seg.groups,
-            seg.signs,
-        )
+        hashes, meds, groups, signs = seg.hashes, seg.meds, seg.groups, seg.signs
     else:
-        hashes, counts, meds, groups, signs = [], [], [], [], []
+        hashes, meds, groups, signs = [], [], [], []
         for seg in segments:
             hashes += seg.hashes
-            counts += seg.counts
             meds += seg.meds
             groups += seg.groups
             signs += seg.signs
-    n = np.array(counts, np.int64)
+    keys, n, bad = read_keys(hashes)
     m = np.array(meds, np.uint8)
     sg = np.array(signs, np.int8)
-    events = np.bincount(m.astype(np.int64) * 2 + (sg > 0), minlength=512)
+    ok = np.ones(len(n), np.bool_)
+    ok[bad] = False
+    events = np.bincount((m.astype(np.int64) * 2 + (sg > 0))[ok], minlength=512)
+    cut = int(n[: bad[-1]].sum()) if bad else None
     blocks = Blocks(
-        fold_hashes(hashes, kind),
-        np.repeat(m, n),
-        np.repeat(np.array(groups, np.uint8), n),
-        np.repeat(sg, n),
+        keys, np.repeat(m, n), np.repeat(np.array(groups, np.uint8), n), np.repeat(sg, n)
     )
-    return blocks, events
+    return blocks, events, cut
 
 
 class EventDecoder:
@@ -231,7 +196,7 @@ class EventDecoder:
                 continue
             if n:
                 self._order.insert(0, self._order.pop(n))
-            return self._fold(batch.dp_rank, batch.events, v.kind)
+            return self._fold(batch.dp_rank, batch.events)
         # No typed decoding reads the whole batch: decode event by event.
         raw = _RAW_BATCH.decode(payload)  # raises DecodeError / ValidationError: not a batch
         events: list[Any] = []
@@ -244,7 +209,7 @@ class EventDecoder:
                 unknown += 1
                 continue
             events.append(ev)
-        out = self._fold(raw.dp_rank, events, "mixed")
+        out = self._fold(raw.dp_rank, events)
         for _ in range(unknown):
             self._drop(DROP_UNKNOWN_EVENT)
         return out
@@ -265,15 +230,15 @@ class EventDecoder:
             return _UNKNOWN
         return None
 
-    def _fold(self, dp_rank: int | None, events: list[Any], kind: str) -> Decoded:
+    def _fold(self, dp_rank: int | None, events: list[Any]) -> Decoded:
         # The hot loop of the ZMQ source: locals only, a few list appends per event and
         # nothing per hash; events and blocks are counted per flush from these lists
         # (to_blocks), drops (rare) here.
         out = Decoded(True, dp_rank)
         if dp_rank is not None and self.dp_rank is not None and dp_rank != self.dp_rank:
             return out  # another rank's batch: the caller counts it, nothing to fold
-        seg = Segment(kind)
-        hashes, counts, meds = seg.hashes, seg.counts, seg.meds
+        seg = Segment()
+        hashes, meds = seg.hashes, seg.meds
         groups, signs = seg.groups, seg.signs
         index, default, bs = self.medium_index, self.default_medium, self.block_size
         tag_of = _TAG
@@ -288,10 +253,10 @@ class EventDecoder:
             elif name is REMOVED:
                 sign = -1
             else:  # CLEARED
-                if counts:
+                if signs:
                     out.parts.append(seg)
-                    seg = Segment(kind)
-                    hashes, counts, meds = seg.hashes, seg.counts, seg.meds
+                    seg = Segment()
+                    hashes, meds = seg.hashes, seg.meds
                     groups, signs = seg.groups, seg.signs
                 out.parts.append(CLEARED)
                 self.cleared += 1
@@ -304,13 +269,11 @@ class EventDecoder:
             if g and not 0 < g < 63:  # group bits live in an int64 mask
                 self._drop(ERR_EVENT)
                 continue
-            hs = ev.block_hashes
-            hashes += hs
-            counts.append(len(hs))
+            hashes.append(ev.block_hashes)
             meds.append(mi)
             groups.append(g or 0)
             signs.append(sign)
-        if counts:
+        if signs:
             out.parts.append(seg)
         return out
 

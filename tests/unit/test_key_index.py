@@ -45,28 +45,37 @@ def test_key_index_insert_absent_wraps_a_run_past_the_table_end() -> None:
     assert sorted(idx._tpos[[15, 0, 1]].tolist()) == [1, 2, 3]  # 15, then wrapped to 0 and 1
 
 
-@pytest.mark.parametrize("tail", [0, 1 << 30], ids=["per-slot", "windows"])
+@pytest.mark.parametrize("tail", [0, 1, 3, 8, 1 << 30], ids=lambda t: f"tail{t}")
 @given(
-    pre=st.lists(st.integers(0, 60), unique=True, max_size=40),
-    keys=st.lists(st.integers(0, 60), max_size=200),
+    pre=st.lists(st.integers(-30, 30), unique=True, max_size=40),
+    keys=st.lists(st.integers(-30, 30), max_size=200),
+    cap=st.sampled_from([8, 64, 128]),
 )
 def test_key_index_find_gives_every_copy_of_a_key_its_one_position(
-    tail: int, pre: list[int], keys: list[int]
+    tail: int, pre: list[int], keys: list[int], cap: int
 ) -> None:
-    # Few distinct keys in a small table: copies of one key contend for its empty slot in the
-    # same round, and long probe runs wrap. Both probing modes (a round per slot; windows).
+    # Few distinct keys (negatives too) in small tables, some smaller than a probe window:
+    # copies of one key contend for its empty slot in the same round, runs wrap past the end,
+    # and the probing switches from a round per slot to windows in the middle of a call.
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(key_index, "_TAIL", tail)
-        idx = KeyIndex(128)
-        assert idx.find(np.array(pre, np.int64)).tolist() == list(range(len(pre)))
+        while (len(set(pre) | set(keys)) + 1) * 10 > cap * 7:
+            cap *= 2
+        idx = KeyIndex(cap)
+        first = idx.find(np.array(pre, np.int64)).tolist()
+        assert sorted(first) == list(range(len(pre)))  # n, n+1, ... (in claim order)
+        pos_of: dict[int, int] = dict(zip(pre, first, strict=True))
+        lookup = idx.find(np.array(keys, np.int64), insert=False).tolist()
+        assert lookup == [pos_of.get(k, -1) for k in keys]
         got = idx.find(np.array(keys, np.int64)).tolist()
-        pos_of: dict[int, int] = dict(zip(pre, range(len(pre)), strict=True))
         for k, p in zip(keys, got, strict=True):
             assert pos_of.setdefault(k, p) == p  # old keys keep theirs, copies agree
         assert sorted(pos_of.values()) == list(range(len(pos_of)))
         assert idx.n == len(pos_of)
+        assert (idx._tpos >= 0).all()  # no claim mark left behind
+        assert int((idx._tpos > 0).sum()) == len(pos_of)  # each key in one slot
         both = sorted(pos_of)
         found = idx.find(np.array(both, np.int64), insert=False).tolist()
         assert found == [pos_of[k] for k in both]
-        absent = np.array([k for k in range(61, 90)], np.int64)
+        absent = np.array([k for k in range(31, 60)], np.int64)
         assert (idx.find(absent, insert=False) == -1).all()

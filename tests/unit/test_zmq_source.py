@@ -577,3 +577,66 @@ def test_zmq_stream_a_reply_still_being_discarded_keeps_the_next_replay_alive() 
     s.on_replayed(0, payload([stored(40)]))
     s.on_replay_end()
     assert s.replays == {"restart": 1, "covered": 1} and published(s) == {40}
+
+
+S7 = (7).to_bytes(8, "big")
+SHAPES: dict[str, tuple[list[list[bytes]], list[tuple[int, bytes]], dict[str, int]]] = {
+    # messages sent -> batches handed to the stream, frames skipped by reason
+    "good": ([[b"kv", S7, b"P"]], [(7, b"P")], {}),
+    "empty payload and topic": ([[b"", S7, b""]], [(7, b"")], {}),
+    "one frame": ([[b"x"]], [], {"frame_shape": 1}),
+    "two frames": ([[b"kv", S7]], [], {"frame_shape": 1}),
+    "four frames, then a good one": (
+        [[b"kv", S7, b"P", b"Q"], [b"kv", S7, b"R"]],
+        [(7, b"R")],
+        {"frame_shape": 1},
+    ),
+    "five empty frames": ([[b""] * 5], [], {"frame_shape": 1}),
+    "seq not 8 bytes": ([[b"kv", b"7", b"P"]], [], {"frame_shape": 1}),
+    "the end marker's seq": ([[b"kv", b"\xff" * 8, b""]], [], {"frame_shape": 1}),
+    # A short message shifts the next one: that batch is lost as well (a seq gap: replayed).
+    "one frame, then a good one": ([[b"x"], [b"kv", S7, b"P"]], [], {"frame_shape": 1}),
+}
+
+
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_zmq_source_live_frames_of_another_shape_are_skipped_and_counted(
+    tmp_path: Path, case: str
+) -> None:
+    sent, want, bad = SHAPES[case]
+    src = zmq_source(tmp_path, "tcp://127.0.0.1:1")
+    got: list[tuple[int, bytes]] = []
+    src.stream.on_live = lambda seq, payload, pre=None: got.append((seq, payload))  # type: ignore[method-assign]
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)  # multipart kept, like PUB/SUB
+    try:
+        pull.bind("inproc://shapes")
+        push.connect("inproc://shapes")
+        for m in sent:
+            push.send_multipart(m)
+        assert pull.poll(5_000)
+        src._read_live(pull)
+        assert got == want
+        assert dict(src.frames_bad) == bad
+        assert not pull.poll(0)  # everything sent was read
+    finally:
+        push.close(0)
+        pull.close(0)
+        ctx.term()
+        src.close()
+
+
+def test_zmq_stream_unreadable_block_hashes_forget_and_what_follows_is_kept() -> None:
+    # The typed decode keeps hashes as msgpack; one that is no array of ints / bytes shows at
+    # the flush, after its batch was taken: the state is lost there (a forget), the events
+    # after it (same batch, later batches of the same flush) are the new truth.
+    s = stream()
+    s.on_live(0, payload([stored(1), stored(2)]))
+    assert published(s) == {1, 2}
+    bad = {"type": "BlockRemoved", "block_hashes": "not-a-list"}
+    s.on_live(1, payload([removed(1), bad, stored(3)]))
+    s.on_live(2, payload([stored(4), removed(3)]))
+    assert published(s) == {4}
+    assert s.forgets == {"malformed_replay": 1}
+    assert s.decode_errors["malformed_event"] == 1
+    assert s.last_seq == 2 and s.forget_pending
