@@ -123,8 +123,6 @@ _NO_KEYS = np.empty(0, np.int64)
 _words = functools.partial(array, "Q")  # array('Q', keys): the staging conversion
 
 
-
-
 def _key_words(flat: list[Any]) -> array[int] | None:
     """`flat` as u64 words of KVCM's signed bit pattern if every key is an int in
     [-2^63, 2^64), else None. One C-level conversion checks and converts: what a flush of a
