@@ -120,11 +120,12 @@ class Segment:
     as they came (msgpack, read at the flush) and its code (medium index << 8 | group << 1 |
     stored)."""
 
-    __slots__ = ("codes", "hashes")
+    __slots__ = ("codes", "hashes", "origin")
 
     def __init__(self) -> None:  # plain slots: built once per batch, on the hot path
         self.hashes: list[Any] = []  # msgspec.Raw: one msgpack array per event
         self.codes: list[int] = []
+        self.origin: Any = None  # the owner's note of the batch it came from
 
 
 class Decoded:
@@ -140,11 +141,32 @@ class Decoded:
         self.error = error  # why not ok
 
 
-def to_blocks(segments: list[Segment]) -> tuple[Blocks, np.ndarray, int | None]:
-    """One set of arrays for several segments; the events they hold per medium index and type
-    (counts[2 * medium + 1] stored, counts[2 * medium] removed, 512 entries); and the index of
-    the first block after the last event whose hashes are malformed (None: none is), so that
-    the caller can tell what it cannot trust."""
+class Folded:
+    """Several segments' block events as arrays, and per event its code, its number of hashes
+    and whether they were unreadable (`bad`: event indexes, ascending; such events hold none)."""
+
+    __slots__ = ("bad", "blocks", "codes", "counts")
+
+    def __init__(self, blocks: Blocks, codes: np.ndarray, counts: np.ndarray, bad: list[int]):
+        self.blocks, self.codes, self.counts, self.bad = blocks, codes, counts, bad
+
+    def events(self, first: int = 0, end: int | None = None) -> np.ndarray:
+        """Events [first, end) per medium index and type: [2 * medium + 1] stored,
+        [2 * medium] removed (512 entries); unreadable ones not counted."""
+        c = self.codes[first:end]
+        ok = np.ones(len(c), np.bool_)
+        ok[
+            [i - first for i in self.bad if first <= i < (len(self.codes) if end is None else end)]
+        ] = False
+        return np.bincount(((c >> 7 & ~1) | (c & 1))[ok], minlength=512)
+
+    def block(self, event: int) -> int:
+        """Index of the first block of event `event`."""
+        return int(self.counts[:event].sum())
+
+
+def to_blocks(segments: list[Segment]) -> Folded:
+    """One set of arrays for several segments' block events."""
     if len(segments) == 1:
         hashes, codes = segments[0].hashes, segments[0].codes
     else:
@@ -154,19 +176,14 @@ def to_blocks(segments: list[Segment]) -> tuple[Blocks, np.ndarray, int | None]:
             codes += seg.codes
     keys, n, bad = read_keys(hashes)
     c = np.array(codes, np.int64)
-    m = c >> 8
     stored = c & 1
-    ok = np.ones(len(n), np.bool_)
-    ok[bad] = False
-    events = np.bincount((m * 2 + stored)[ok], minlength=512)
-    cut = int(n[: bad[-1]].sum()) if bad else None
     blocks = Blocks(
         keys,
-        np.repeat(m.astype(np.uint8), n),
+        np.repeat((c >> 8).astype(np.uint8), n),
         np.repeat(((c >> 1) & 0x7F).astype(np.uint8), n),
         np.repeat((2 * stored - 1).astype(np.int8), n),
     )
-    return blocks, events, cut
+    return Folded(blocks, c, n, bad)
 
 
 class EventDecoder:
