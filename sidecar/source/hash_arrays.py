@@ -70,11 +70,9 @@ def read_keys(raws: list[Any]) -> tuple[np.ndarray, np.ndarray, list[int]]:
         fast[ev[odd]] = False
         keep = fast[ev]
         ev, elem, is_int = ev[keep], elem[keep], is_int[keep]
-    # The 8 bytes after an int's tag, or a digest's last 8: unaligned big-endian words, put
-    # in native order in place.
+    # The 8 bytes after an int's tag, or a digest's last 8: unaligned big-endian words.
     words = np.ndarray((len(buf) - 7,), ">u8", joined, 0, (1,))
-    big = words[elem + np.where(is_int, 1, _DIGEST_SIZE - 8)]
-    keys = big.byteswap(inplace=True).view(np.int64)
+    keys = words[elem + np.where(is_int, 1, _DIGEST_SIZE - 8)].astype(np.uint64).view(np.int64)
     counts = np.where(fast, n, 0)
     slow = np.flatnonzero(~fast).tolist()
     if not slow:

@@ -28,7 +28,15 @@ from sidecar.source import checkpoint as ckpt
 from sidecar.source.base import Identity, Watch, WatchResult
 from sidecar.source.block_counts import BlockCounts
 from sidecar.source.health import probe
-from sidecar.source.zmq_events import ERR_EVENT, Blocks, Decoded, EventDecoder, Segment, to_blocks
+from sidecar.source.zmq_events import (
+    ERR_EVENT,
+    Blocks,
+    Decoded,
+    EventDecoder,
+    Folded,
+    Segment,
+    to_blocks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -299,24 +307,71 @@ class Stream:
         self._drain_held(r)
         return True
 
-    def flush(self) -> None:
-        """Fold what was decoded since the last flush into the counts (and the key state)."""
+    def flush(self, repair: bool = False) -> None:
+        """Fold what was decoded since the last flush into the counts (and the key state).
+
+        The typed decode leaves each event's hashes as msgpack, so an event whose hashes are
+        unreadable (a string, a float, not an array) shows only here, after its batch's seq
+        was taken. With `repair` (the feed loop's flush, where nothing else is under way) a
+        live batch is handled as one unreadable at decode: what came before it is folded, the
+        seq goes back to the batch before it and the replay fetches it (and the rest) again.
+        Otherwise (a replayed copy; a flush inside another step) its changes are lost for
+        good: forget, then fold what came after it."""
         if not self._pend:
             return
-        b, events, cut = to_blocks(self._pend)
-        self._pend = []
-        self.events += events
-        if cut is not None:
-            # An event's hashes turned out unreadable (a string, a float, not an array: the
-            # typed decode leaves them as msgpack, so the batch was taken): its changes are
-            # lost and the counts can no longer be trusted. Forget, then follow what came
-            # after it.
-            self.decode_errors[ERR_EVENT] += 1
+        pend, self._pend = self._pend, []
+        f = to_blocks(pend)
+        if f.bad:
+            self.decode_errors[ERR_EVENT] += len(f.bad)
+            i, start = self._batch_of(pend, f.bad[0])
+            o = pend[i].origin
+            if repair and o is not None and self._repairable(o):
+                self._fold(f, 0, start)
+                seq, _payload, _replayed, *prev = o
+                self.batches["malformed"] += 1
+                self.gaps += 1
+                log.warning("zmq batch unreadable seq=%d reason=%s (block_hashes)", seq, ERR_EVENT)
+                self.last_seq, self.last_payload, self.last_digest = prev
+                self.expected = seq
+                self._ask(self.last_seq, self._last_digest(), "malformed")
+                return
             self.forget(F_MALFORMED, "an event's block_hashes are unreadable")
-            b = Blocks(b.keys[cut:], b.mediums[cut:], b.groups[cut:], b.signs[cut:])
+            self._fold(f, f.bad[-1] + 1, len(f.codes))
+            return
+        self._fold(f, 0, len(f.codes))
+
+    def _fold(self, f: Folded, first: int, end: int) -> None:
+        """Events [first, end) of `f` into the counts."""
+        self.events += f.events(first, end)
+        b = f.blocks
+        lo, hi = f.block(first), f.block(end)
+        if lo or hi < len(b.keys):
+            b = Blocks(b.keys[lo:hi], b.mediums[lo:hi], b.groups[lo:hi], b.signs[lo:hi])
         self.blocks += len(b.keys)
         self.counts.apply(b.keys, b.mediums, b.groups, b.signs)
         self.changed = True
+
+    @staticmethod
+    def _batch_of(pend: list[Segment], event: int) -> tuple[int, int]:
+        """(index of the first segment of the batch holding `event`, its first event)."""
+        i = start = 0
+        while start + len(pend[i].codes) <= event:
+            start += len(pend[i].codes)
+            i += 1
+        seq = pend[i].origin[0] if pend[i].origin is not None else None
+        while (
+            i
+            and seq is not None
+            and pend[i - 1].origin is not None
+            and pend[i - 1].origin[0] == seq
+        ):
+            i -= 1
+            start -= len(pend[i].codes)
+        return i, start
+
+    def _repairable(self, origin: tuple[Any, ...]) -> bool:
+        _seq, _payload, replayed, prev_seq, *_ = origin
+        return not replayed and self.replay is None and self.can_replay and prev_seq >= 0
 
     def forget(self, reason: str, detail: str) -> None:
         """The counts can no longer be trusted: empty them; KVCM gets an authoritative snapshot."""
@@ -441,6 +496,7 @@ class Stream:
                 self.gaps += 1
                 self._ask(self.last_seq, self._last_digest(), "malformed")
                 return
+        origin = (seq, payload, replayed, self.last_seq, self.last_payload, self.last_digest)
         self.expected = seq + 1
         self.last_seq = seq
         self.last_payload = payload
@@ -456,6 +512,7 @@ class Stream:
             log.warning("zmq events dropped totals=%s", self.decoder.drops)
         for part in d.parts:
             if isinstance(part, Segment):
+                part.origin = origin  # what a late-found unreadable event goes back to
                 self._pend.append(part)
             else:  # CLEARED
                 self.flush()
@@ -759,7 +816,7 @@ class ZmqSource:
                 poller.register(dealer, zmq.POLLIN)
                 sync_dealer = zmq.Socket.shadow(dealer.underlying)
             was_dirty = bool(self.keys.dirty)
-            s.flush()
+            s.flush(repair=True)
             if s.changed:
                 s.changed = False
                 if not was_dirty and self.keys.dirty:

@@ -61,10 +61,13 @@ def _structs(positional: bool) -> tuple[Any, Any, Any]:
         ("medium", str | None, None),
         ("group_idx", int | None, None),
     ]
+    # Class attributes, not fields (the decoder neither reads nor wants them): every event
+    # answers the four attributes the fold looks up its code by.
+    none = {"block_size": None, "medium": None, "group_idx": None, "block_hashes": None}
     return (
         msgspec.defstruct(STORED, stored_fields, **opts),
-        msgspec.defstruct(REMOVED, removed_fields, **opts),
-        msgspec.defstruct(CLEARED, [], **opts),
+        msgspec.defstruct(REMOVED, removed_fields, namespace={"block_size": None}, **opts),
+        msgspec.defstruct(CLEARED, [], namespace=none, **opts),
     )
 
 
@@ -95,6 +98,10 @@ _TAG: dict[type, str] = {
     for cls, name in ((v.stored, STORED), (v.removed, REMOVED), (v.cleared, CLEARED))
 }
 _RAW_BATCH = _batch_decoder(list[msgspec.Raw])
+# Event codes that are no block events: a clear, or a drop (by reason).
+_CLEAR, _DROP_SIZE, _DROP_MEDIUM, _DROP_GROUP = -1, -2, -3, -4
+_DROPPED = {_DROP_SIZE: DROP_BLOCK_SIZE, _DROP_MEDIUM: DROP_MEDIUM, _DROP_GROUP: ERR_EVENT}
+_CODES_MAX = 1024
 _GENERIC = msgspec.msgpack.Decoder()
 
 
@@ -109,16 +116,16 @@ class Blocks:
 
 
 class Segment:
-    """Block events of one batch between clears, as Python lists, one entry per event (its
-    hashes as they came: msgpack, read at the flush)."""
+    """Block events of one batch between clears, one entry per event in each list: its hashes
+    as they came (msgpack, read at the flush) and its code (medium index << 8 | group << 1 |
+    stored)."""
 
-    __slots__ = ("groups", "hashes", "meds", "signs")
+    __slots__ = ("codes", "hashes", "origin")
 
     def __init__(self) -> None:  # plain slots: built once per batch, on the hot path
         self.hashes: list[Any] = []  # msgspec.Raw: one msgpack array per event
-        self.meds: list[int] = []
-        self.groups: list[int] = []
-        self.signs: list[int] = []
+        self.codes: list[int] = []
+        self.origin: Any = None  # the owner's note of the batch it came from
 
 
 class Decoded:
@@ -134,32 +141,49 @@ class Decoded:
         self.error = error  # why not ok
 
 
-def to_blocks(segments: list[Segment]) -> tuple[Blocks, np.ndarray, int | None]:
-    """One set of arrays for several segments; the events they hold per medium index and type
-    (counts[2 * medium + 1] stored, counts[2 * medium] removed, 512 entries); and the index of
-    the first block after the last event whose hashes are malformed (None: none is), so that
-    the caller can tell what it cannot trust."""
+class Folded:
+    """Several segments' block events as arrays, and per event its code, its number of hashes
+    and whether they were unreadable (`bad`: event indexes, ascending; such events hold none)."""
+
+    __slots__ = ("bad", "blocks", "codes", "counts")
+
+    def __init__(self, blocks: Blocks, codes: np.ndarray, counts: np.ndarray, bad: list[int]):
+        self.blocks, self.codes, self.counts, self.bad = blocks, codes, counts, bad
+
+    def events(self, first: int = 0, end: int | None = None) -> np.ndarray:
+        """Events [first, end) per medium index and type: [2 * medium + 1] stored,
+        [2 * medium] removed (512 entries); unreadable ones not counted."""
+        c = self.codes[first:end]
+        ok = np.ones(len(c), np.bool_)
+        ok[
+            [i - first for i in self.bad if first <= i < (len(self.codes) if end is None else end)]
+        ] = False
+        return np.bincount(((c >> 7 & ~1) | (c & 1))[ok], minlength=512)
+
+    def block(self, event: int) -> int:
+        """Index of the first block of event `event`."""
+        return int(self.counts[:event].sum())
+
+
+def to_blocks(segments: list[Segment]) -> Folded:
+    """One set of arrays for several segments' block events."""
     if len(segments) == 1:
-        seg = segments[0]
-        hashes, meds, groups, signs = seg.hashes, seg.meds, seg.groups, seg.signs
+        hashes, codes = segments[0].hashes, segments[0].codes
     else:
-        hashes, meds, groups, signs = [], [], [], []
+        hashes, codes = [], []
         for seg in segments:
             hashes += seg.hashes
-            meds += seg.meds
-            groups += seg.groups
-            signs += seg.signs
+            codes += seg.codes
     keys, n, bad = read_keys(hashes)
-    m = np.array(meds, np.uint8)
-    sg = np.array(signs, np.int8)
-    ok = np.ones(len(n), np.bool_)
-    ok[bad] = False
-    events = np.bincount((m.astype(np.int64) * 2 + (sg > 0))[ok], minlength=512)
-    cut = int(n[: bad[-1]].sum()) if bad else None
+    c = np.array(codes, np.int64)
+    stored = c & 1
     blocks = Blocks(
-        keys, np.repeat(m, n), np.repeat(np.array(groups, np.uint8), n), np.repeat(sg, n)
+        keys,
+        np.repeat((c >> 8).astype(np.uint8), n),
+        np.repeat(((c >> 1) & 0x7F).astype(np.uint8), n),
+        np.repeat((2 * stored - 1).astype(np.int8), n),
     )
-    return blocks, events, cut
+    return Folded(blocks, c, n, bad)
 
 
 class EventDecoder:
@@ -178,6 +202,7 @@ class EventDecoder:
         self.drops: dict[str, int] = {}
         self.dropped_recently = False  # the owner logs drops (once per interval) and clears
         self._order = list(range(len(_VARIANTS)))  # the variant that worked last goes first
+        self._codes: dict[tuple[type, Any, Any, Any], int] = {}  # see _code()
 
     def decode(self, payload: bytes) -> Decoded:
         try:
@@ -231,51 +256,56 @@ class EventDecoder:
         return None
 
     def _fold(self, dp_rank: int | None, events: list[Any]) -> Decoded:
-        # The hot loop of the ZMQ source: locals only, a few list appends per event and
-        # nothing per hash; events and blocks are counted per flush from these lists
-        # (to_blocks), drops (rare) here.
+        # The hot loop of the ZMQ source: per event one lookup of what its (type, medium,
+        # group, block size) means, cached, and two appends; nothing per hash. Events and
+        # blocks are counted per flush from the codes (to_blocks), drops (rare) here.
         out = Decoded(True, dp_rank)
         if dp_rank is not None and self.dp_rank is not None and dp_rank != self.dp_rank:
             return out  # another rank's batch: the caller counts it, nothing to fold
         seg = Segment()
-        hashes, meds = seg.hashes, seg.meds
-        groups, signs = seg.groups, seg.signs
-        index, default, bs = self.medium_index, self.default_medium, self.block_size
-        tag_of = _TAG
+        hashes, codes = seg.hashes, seg.codes
+        known = self._codes
         for ev in events:
-            name = tag_of[type(ev)]
-            if name is STORED:
-                size = ev.block_size
-                if size is not None and size != bs:
-                    self._drop(DROP_BLOCK_SIZE)
-                    continue
-                sign = 1
-            elif name is REMOVED:
-                sign = -1
-            else:  # CLEARED
-                if signs:
+            cls = type(ev)
+            what = (cls, ev.medium, ev.group_idx, ev.block_size)
+            code = known.get(what)
+            if code is None:
+                code = self._code(what)
+            if code >= 0:
+                hashes.append(ev.block_hashes)
+                codes.append(code)
+            elif code == _CLEAR:
+                if codes:
                     out.parts.append(seg)
                     seg = Segment()
-                    hashes, meds = seg.hashes, seg.meds
-                    groups, signs = seg.groups, seg.signs
+                    hashes, codes = seg.hashes, seg.codes
                 out.parts.append(CLEARED)
                 self.cleared += 1
-                continue
-            mi = index.get(ev.medium or default)
-            if mi is None:
-                self._drop(DROP_MEDIUM)
-                continue
-            g = ev.group_idx
-            if g and not 0 < g < 63:  # group bits live in an int64 mask
-                self._drop(ERR_EVENT)
-                continue
-            hashes.append(ev.block_hashes)
-            meds.append(mi)
-            groups.append(g or 0)
-            signs.append(sign)
-        if signs:
+            else:
+                self._drop(_DROPPED[code])
+        if codes:
             out.parts.append(seg)
         return out
+
+    def _code(self, what: tuple[type, Any, Any, Any]) -> int:
+        """What an event of this (type, medium, group, block size) is: its code (>= 0),
+        _CLEAR, or a drop (a key of _DROPPED); remembered (at most _CODES_MAX of them)."""
+        cls, medium, group, size = what
+        name = _TAG[cls]
+        if name is CLEARED:
+            code = _CLEAR
+        elif name is STORED and size is not None and size != self.block_size:
+            code = _DROP_SIZE
+        elif (mi := self.medium_index.get(medium or self.default_medium)) is None:
+            code = _DROP_MEDIUM
+        elif group and not 0 < group < 63:  # group bits live in an int64 mask
+            code = _DROP_GROUP
+        else:
+            code = mi << 8 | (group or 0) << 1 | (name is STORED)
+        if len(self._codes) >= _CODES_MAX:  # a stream of ever new mediums or groups
+            self._codes.clear()
+        self._codes[what] = code
+        return code
 
     def _drop(self, reason: str) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1

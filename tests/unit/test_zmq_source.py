@@ -626,17 +626,60 @@ def test_zmq_source_live_frames_of_another_shape_are_skipped_and_counted(
         src.close()
 
 
+BAD_HASHES = {"type": "BlockRemoved", "block_hashes": "not-a-list"}
+
+
+def test_zmq_stream_unreadable_block_hashes_in_a_live_batch_are_fetched_again() -> None:
+    # The typed decode keeps hashes as msgpack, so an unreadable array shows at the flush,
+    # after its batch and a later one were taken. The feed loop's flush (repair) handles it as
+    # a batch unreadable at decode: fold what came before, replay from the batch before it.
+    s = stream()
+    first = payload([stored(1), stored(2)])
+    s.on_live(0, first)
+    s.flush(repair=True)
+    s.on_live(1, payload([removed(1), BAD_HASHES, stored(3)]))  # damaged on the way
+    later = payload([stored(4)])
+    s.on_live(2, later)
+    s.flush(repair=True)
+    assert replaying(s) and s.want_replay == 0 and s.expected == 1 and s.forgets == {}
+    assert s.batches["malformed"] == 1 and s.decode_errors["malformed_event"] == 1
+    assert set(s.counts.keys.published_keys().tolist()) == {1, 2}  # 1 and 2: not folded
+    s.on_replayed(0, first)  # the proof: same engine life
+    s.on_replayed(1, payload([removed(1), removed(2), stored(3)]))  # the engine's own copy
+    s.on_replayed(2, later)
+    s.on_replay_end()
+    s.on_live(3, payload([stored(5)]))
+    assert not replaying(s) and published(s) == {3, 4, 5} and s.forgets == {}
+    assert s.events[:2].tolist() == [2, 5]  # removed, stored (GPU): the discarded not counted
+
+
+def test_zmq_stream_unreadable_block_hashes_in_the_replayed_copy_too_forget() -> None:
+    s = stream()
+    first = payload([stored(1), stored(2)])
+    s.on_live(0, first)
+    s.flush(repair=True)
+    bad = payload([removed(1), BAD_HASHES, stored(3)])
+    s.on_live(1, bad)
+    s.flush(repair=True)
+    s.on_replayed(0, first)
+    s.on_replayed(1, bad)  # damaged in the engine's buffer too: lost for good
+    s.on_replay_end()
+    s.flush(repair=True)
+    assert s.forgets == {"malformed_replay": 1} and s.forget_pending
+    assert published(s) == {3}  # what followed the unreadable event
+    assert s.decode_errors["malformed_event"] == 2
+
+
 def test_zmq_stream_unreadable_block_hashes_forget_and_what_follows_is_kept() -> None:
-    # The typed decode keeps hashes as msgpack; one that is no array of ints / bytes shows at
-    # the flush, after its batch was taken: the state is lost there (a forget), the events
-    # after it (same batch, later batches of the same flush) are the new truth.
+    # A flush inside another step (here: a test's; also before a replay, at a clear, for a
+    # checkpoint) cannot rewind the seq: the state is lost there (a forget), the events after
+    # it (same batch, later batches of the same flush) are the new truth.
     s = stream()
     s.on_live(0, payload([stored(1), stored(2)]))
     assert published(s) == {1, 2}
-    bad = {"type": "BlockRemoved", "block_hashes": "not-a-list"}
-    s.on_live(1, payload([removed(1), bad, stored(3)]))
-    s.on_live(2, payload([stored(4), removed(3)]))
-    assert published(s) == {4}
+    s.on_live(1, payload([removed(1), BAD_HASHES, stored(3)]))
+    s.on_live(2, payload([stored(4), removed(3), BAD_HASHES, stored(6)]))
+    assert published(s) == {6}
     assert s.forgets == {"malformed_replay": 1}
-    assert s.decode_errors["malformed_event"] == 1
+    assert s.decode_errors["malformed_event"] == 2
     assert s.last_seq == 2 and s.forget_pending
