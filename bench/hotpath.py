@@ -5,8 +5,9 @@ every step stores k new keys, removes k old ones and flushes (k = 16, 32, 64), p
 20 k and 80 k events/s; process CPU (all threads) per event net of the same paced loop without
 reporting, split into the engine thread's and the hook flusher's; flush() latency p50/p99, wall
 and the calling thread's CPU (their gap is preemption); thread wake-ups/s; each beside a
-vLLM-style publisher (bench/vllm_publisher.py) doing the same steps. Idle footprint (CPU %, wake-ups/s) of a process
-that only attached, and how fast an idle engine answers a snapshot request.
+vLLM-style publisher (bench/vllm_publisher.py) doing the same steps. Idle footprint (CPU %,
+wake-ups/s) of a process that only attached, and how fast an idle engine answers a snapshot
+request.
 Unpaced loops (engine-process CPU per event): stored(one key) + flush() per call ("immediate"),
 stored(one key) with flush() per 1024 ("staged"), stored(ndarray of 1024) + flush(), beside
 queue.Queue.put + a msgspec/pyzmq PUB thread; a flush into a full ring (cost per dropped record,

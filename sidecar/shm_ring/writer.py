@@ -213,7 +213,7 @@ class RingWriter:
 
     def _next_seq_block(self) -> int:
         block = np.arange(self._seq + 1, self._seq + 1 + SEQ_BLOCK, dtype=np.uint64)
-        self._seq_block = memoryview(block).cast("B").cast("Q")
+        self._seq_block = block.data.cast("B").cast("Q")
         self._seq_base = self._seq
         return 0
 

@@ -414,7 +414,7 @@ def test_resident_fold_that_raises_keeps_its_queue() -> None:
     def broken(*args: Any) -> None:
         raise MemoryError("injected")
 
-    rs._fold_segment = broken  # type: ignore[method-assign]
+    rs._fold_segment = broken  # type: ignore[method-assign, assignment]
     with pytest.raises(MemoryError):
         rs.export()
     rs._fold_segment = real  # type: ignore[method-assign]
