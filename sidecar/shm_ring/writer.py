@@ -153,7 +153,7 @@ class RingWriter:
             return self._write_runs_slow(runs, n)  # a wrap, or too little room
         at = self._seq - self._seq_base
         if at + n > len(self._seq_block):
-            at = self._next_seq_block()
+            at = self._next_seq_block(n)
         sw = self._words
         b = b0 = start << 2
         meta_runs = self._meta_runs
@@ -208,11 +208,11 @@ class RingWriter:
         """Words self._seq + 1 ... self._seq + m (m <= WORDS_MAX), from the block made ahead."""
         at = self._seq - self._seq_base
         if at + m > len(self._seq_block):
-            at = self._next_seq_block()
+            at = self._next_seq_block(m)
         return self._seq_block[at : at + m]
 
-    def _next_seq_block(self) -> int:
-        block = np.arange(self._seq + 1, self._seq + 1 + SEQ_BLOCK, dtype=np.uint64)
+    def _next_seq_block(self, m: int) -> int:
+        block = np.arange(self._seq + 1, self._seq + 1 + max(SEQ_BLOCK, m), dtype=np.uint64)
         self._seq_block = block.data.cast("B").cast("Q")
         self._seq_base = self._seq
         return 0

@@ -463,3 +463,33 @@ def test_writer_write_runs_matches_write_across_the_wrap_and_when_full(
     reader.close()
     w.close()
     seg.close()
+
+
+def test_writer_seq_words_stay_dense_across_blocks_and_paths(
+    ring_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seq words made ahead (SEQ_BLOCK at a time) follow every path that advances the
+    sequence: runs, word arrays, numpy arrays and scalar pairs, across block boundaries."""
+    from array import array
+
+    from sidecar.shm_ring import writer as writer_mod
+
+    monkeypatch.setattr(writer_mod, "SEQ_BLOCK", 8)
+    meta = L.pack_meta(L.KIND_STORED)
+    seg = Segment(ring_name, 64)
+    w = writer_mod.RingWriter(seg)
+    reader = RingReader(Segment(ring_name))
+    seqs: list[int] = []
+    for i in range(12):
+        w.write_runs([(array("Q", range(i, i + 5 + i % 7)), meta)], 5 + i % 7)
+        if i % 3 == 0:
+            w.write_pairs([(7, meta)])
+        if i % 4 == 0:
+            w.write_words(array("Q", [1, 2, 3]), array("Q", [meta] * 3))
+        if i % 5 == 0:
+            w.write(np.arange(4, dtype=np.int64), meta)
+        seqs += [int(s) for s in reader.read().records[:, L.C_SEQ]]
+    assert seqs == list(range(1, len(seqs) + 1)) and w.dropped == 0
+    reader.close()
+    w.close()
+    seg.close()
