@@ -17,25 +17,6 @@ def _col(group: int) -> str:
     return f"count{group}"
 
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_BITS = 16
-
-
-def _distinct_estimate(keys: np.ndarray) -> int:
-    """About how many distinct keys `keys` holds, from above (linear counting in a 2^16-bit
-    map, ~0.3 % error up to 50 000 keys, +10 %): what paces the table's re-index, without
-    sorting the batch. Small batches count every key."""
-    if len(keys) <= 4096:
-        return len(keys)
-    bits = np.zeros(1 << _BITS, np.bool_)
-    bits[(keys.view(np.uint64) * _GOLDEN) >> np.uint64(64 - _BITS)] = True
-    empty = (1 << _BITS) - int(np.count_nonzero(bits))
-    if not empty:
-        return len(keys)
-    est = (1 << _BITS) * float(np.log((1 << _BITS) / empty))
-    return min(len(keys), int(est * 1.1) + 64)
-
-
 class BlockCounts:
     def __init__(self, keys: KeyState) -> None:
         self.keys = keys
@@ -119,7 +100,7 @@ class BlockCounts:
         self._counts(medium, group)
         t = self.keys.table(medium)
         # Every event's key, repeats included: one lookup per event.
-        pos = t.find(keys, True, incoming=_distinct_estimate(keys))
+        pos = t.find(keys, True)
         col = t.cols[_col(group)]  # after find: an insert may have grown the columns
         d = signs.astype(np.int64)
         # Keys that repeat in this batch, found without sorting them all: each event writes
