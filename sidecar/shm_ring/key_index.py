@@ -38,6 +38,10 @@ def sized_for(count: int, minimum: int) -> int:
     return cap
 
 
+class IndexFull(Exception):
+    """A lookup would probe a full index forever (its owner must re-index before it fills)."""
+
+
 class KeyIndex:
     def __init__(self, capacity: int) -> None:
         self.cap = capacity
@@ -97,6 +101,8 @@ class KeyIndex:
         out = np.full(len(ukeys), -1, np.int64)
         todo = np.arange(len(ukeys))
         while len(todo):
+            if self.n >= self.cap:  # no empty slot left: a probe would never end
+                raise IndexFull(f"{self.n} keys in {self.cap} slots")
             if len(todo) <= _TAIL:
                 self._find_tail(ukeys, todo, idx, out, insert)
                 break
@@ -146,6 +152,8 @@ class KeyIndex:
         mask = self.cap - 1
         steps = np.arange(_WINDOW)
         while len(todo):
+            if self.n >= self.cap:
+                raise IndexFull(f"{self.n} keys in {self.cap} slots")
             win = (at[todo][:, None] + steps) & mask
             wpos = self._tpos[win]
             stop = (wpos == 0) | (self._tkeys[win] == ukeys[todo][:, None]) & (wpos > 0)

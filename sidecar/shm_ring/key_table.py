@@ -28,24 +28,6 @@ _PAGE = 4096
 Mover = Callable[[np.ndarray], np.ndarray]  # old dense positions (all live) -> new ones
 
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_BITS = 16
-
-
-def distinct_estimate(keys: np.ndarray) -> int:
-    """About how many distinct keys `keys` holds, from above: linear counting in a 2^16-bit
-    map (~0.3 % error up to 50 000 keys), +10 %, without sorting. Small batches count all."""
-    if len(keys) <= 4096:
-        return len(keys)
-    bits = np.zeros(1 << _BITS, np.bool_)
-    bits[(keys.view(np.uint64) * _GOLDEN) >> np.uint64(64 - _BITS)] = True
-    empty = (1 << _BITS) - int(np.count_nonzero(bits))
-    if not empty:
-        return len(keys)
-    est = (1 << _BITS) * float(np.log((1 << _BITS) / empty))
-    return min(len(keys), int(est * 1.1) + 64)
-
-
 class _Rebuild:
     """A fresh index being filled with the keys that were live when it started."""
 
@@ -102,12 +84,16 @@ class KeyTable:
 
     def find(self, ukeys: np.ndarray, insert: bool = True) -> np.ndarray:
         """Dense position of each key (repeats allowed); new ones get zeroed columns (or -1 if
-        not inserting). How many keys may be new paces and sizes the re-index: it is estimated
-        (distinct_estimate), since counting every repeat as new would start a re-index early,
-        size it too big and finish it in one call."""
+        not inserting). How many keys may be new paces and sizes the re-index: all of them,
+        unless the index could not take that many; then the distinct ones, counted exactly (a
+        repeat is no new key: counted as one it would finish a re-index in one call, or start
+        one needlessly; an estimate that counts too few would let the index fill)."""
         if not insert:
             return self.idx.find(ukeys, insert=False)
-        self._reindex_step(distinct_estimate(ukeys))
+        incoming = len(ukeys)
+        if self.idx.crowded(incoming):
+            incoming = len(np.unique(ukeys))
+        self._reindex_step(incoming)
         before = self.idx.n
         pos = self.idx.find(ukeys)
         for name, col in self.cols.items():

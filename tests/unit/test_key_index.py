@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -9,6 +11,7 @@ from hypothesis import strategies as st
 
 from sidecar.shm_ring import key_index
 from sidecar.shm_ring.key_index import KeyIndex, sized_for
+from sidecar.shm_ring.key_table import KeyTable
 
 KEYS = st.lists(st.integers(-(2**63), 2**63 - 1), unique=True, max_size=200)
 
@@ -79,3 +82,27 @@ def test_key_index_find_gives_every_copy_of_a_key_its_one_position(
         assert found == [pos_of[k] for k in both]
         absent = np.array([k for k in range(31, 60)], np.int64)
         assert (idx.find(absent, insert=False) == -1).all()
+
+
+def test_key_index_full_raises_instead_of_probing_forever() -> None:
+    idx = KeyIndex(8)
+    idx.insert_absent(np.arange(8, dtype=np.int64))
+    for insert in (True, False):
+        with pytest.raises(key_index.IndexFull):
+            idx.find(np.array([99], np.int64), insert=insert)
+
+
+def test_key_table_reindexes_in_time_for_keys_a_hash_estimate_would_undercount() -> None:
+    # Review of #16: the re-index was paced by a linear-counting estimate hashed with the
+    # index's own multiplier; keys that are multiples of it (a Fibonacci-hashing engine's)
+    # all landed in a few bits, the estimate said ~12 k for 150 k, no re-index started, and the
+    # insert probed a full index forever (inside the engine's flush).
+    table = KeyTable({"masks": np.uint32}, live=("masks",), min_capacity=1 << 16)
+    golden = np.uint64(0x9E3779B97F4A7C15)
+    keys = (np.arange(1, 150_001, dtype=np.uint64) * golden).view(np.int64)
+    done: list[np.ndarray] = []
+    worker = threading.Thread(target=lambda: done.append(table.find(keys)), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert done, "find never returned"
+    assert len(np.unique(done[0])) == 150_000 and table.n == 150_000
