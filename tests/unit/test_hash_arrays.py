@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from sidecar.source.hash_arrays import fold_hashes, read_keys
 
 RAWS = msgspec.msgpack.Decoder(list[msgspec.Raw])
+ONE = msgspec.msgpack.Decoder(list[int | bytes])
 BIG = st.one_of(st.integers(2**32, 2**64 - 1), st.integers(-(2**63), -(2**31) - 1))  # 9 bytes
 HASH = st.one_of(
     BIG,
@@ -33,27 +34,31 @@ BAD = st.one_of(
 )
 
 
+def one_by_one(arrays: list[bytes]) -> tuple[list[int], list[int], list[int]]:
+    """The reference: each msgpack array decoded by msgspec as list[int | bytes], folded."""
+    keys: list[int] = []
+    counts: list[int] = []
+    bad: list[int] = []
+    for i, r in enumerate(arrays):
+        try:
+            hashes = ONE.decode(r)
+        except msgspec.ValidationError:
+            bad.append(i)
+            counts.append(0)
+            continue
+        keys += fold_hashes(hashes).tolist()
+        counts.append(len(hashes))
+    return keys, counts, bad
+
+
 @settings(max_examples=400, deadline=None)
 @given(arrays=st.lists(st.one_of(GOOD, GOOD, GOOD, BAD), max_size=30))
 def test_hash_arrays_read_in_place_equal_the_one_by_one_fold(arrays: list[Any]) -> None:
     raws = RAWS.decode(msgspec.msgpack.encode(arrays))
     keys, counts, bad = read_keys(raws)
-    want: list[int] = []
-    want_bad: list[int] = []
-    want_counts: list[int] = []
-    for i, a in enumerate(arrays):
-        ok = isinstance(a, list) and all(
-            isinstance(h, bytes) or (isinstance(h, int) and not isinstance(h, bool)) for h in a
-        )
-        if not ok:
-            want_bad.append(i)
-            want_counts.append(0)
-            continue
-        want += fold_hashes(a).tolist()
-        want_counts.append(len(a))
-    assert keys.tolist() == want
-    assert counts.tolist() == want_counts
-    assert bad == want_bad
+    assert (keys.tolist(), counts.tolist(), bad) == one_by_one(
+        [msgspec.msgpack.encode(a) for a in arrays]
+    )
 
 
 def test_hash_arrays_ints_keep_their_low_64_bits_and_digests_their_last_8_bytes() -> None:
@@ -109,22 +114,7 @@ def test_hash_arrays_any_encoding_reads_as_msgspec_decodes_it(
     raw.append(_array("16", [b"\xcf" + v.to_bytes(8, "big") for v in fast]))
     body = _array("32", raw)  # the batch: a list of the arrays, decoded as Raw each
     keys, counts, bad = read_keys(RAWS.decode(body))
-    want: list[int] = []
-    want_bad: list[int] = []
-    want_counts: list[int] = []
-    one = msgspec.msgpack.Decoder(list[int | bytes])
-    for i, r in enumerate(raw):
-        try:
-            hashes = one.decode(r)
-        except msgspec.ValidationError:
-            want_bad.append(i)
-            want_counts.append(0)
-            continue
-        want += fold_hashes(hashes).tolist()
-        want_counts.append(len(hashes))
-    assert keys.tolist() == want
-    assert counts.tolist() == want_counts
-    assert bad == want_bad
+    assert (keys.tolist(), counts.tolist(), bad) == one_by_one(raw)
 
 
 def test_hash_arrays_long_arrays_at_the_header_boundaries() -> None:
