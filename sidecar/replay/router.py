@@ -13,7 +13,6 @@ import random
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from engine_hook.prefill_engine import Cost
 from sidecar.kvcm_client.query import QueryClient, QueryError
 from sidecar.replay.trace import Request
 
@@ -22,11 +21,22 @@ Probe = Callable[[int, list[int], float], Awaitable[int]]
 
 
 @dataclass(frozen=True)
-class CostModel(Cost):
-    """The router's model of an engine's prefill time: the engines' own formula (Cost), and
-    how many of a request's tokens a cached prefix of blocks covers."""
+class CostModel:
+    """The router's model of an engine's prefill time (the same formula the engines run, see
+    engine_hook/prefill_engine.py `Cost`; tests pin that they agree)."""
 
+    overhead_s: float = 0.015
+    per_token_s: float = 4e-5
+    per_token_ctx_s: float = 2e-9
     block_tokens: int = 512
+
+    def prefill_s(self, input_tokens: int, cached_tokens: int) -> float:
+        new = input_tokens - cached_tokens
+        return (
+            self.overhead_s
+            + self.per_token_s * new
+            + self.per_token_ctx_s * new * (cached_tokens + new / 2)
+        )
 
     def cached(self, prefix_blocks: int, input_tokens: int) -> int:
         return min(prefix_blocks * self.block_tokens, input_tokens - 1)
