@@ -228,6 +228,8 @@ class Hook:
 
     def removed(self, keys: Any, group: int = 0, medium: str | None = None) -> None:
         """Blocks with these keys no longer hold `group`'s KV in `medium` (evicted or freed)."""
+        # stored()'s body with the other meta table, not a shared helper: one Python call
+        # frame less per call on the engine's hot path.
         try:
             meta = self._removed_meta[group if medium is None else (group, medium)]
             t = type(keys)

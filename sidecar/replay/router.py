@@ -23,7 +23,9 @@ Probe = Callable[[int, list[int], float], Awaitable[int]]
 @dataclass(frozen=True)
 class CostModel:
     """The router's model of an engine's prefill time (the same formula the engines run, see
-    engine_hook/prefill_engine.py `Cost`; tests pin that they agree)."""
+    engine_hook/prefill_engine.py `Cost`; tests pin that they agree). Written again, not
+    imported: a router runs without the engine side (tests pin that it imports no
+    engine_hook)."""
 
     overhead_s: float = 0.015
     per_token_s: float = 4e-5

@@ -16,7 +16,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from sidecar.source.hash_arrays import fold_hashes as fold_hashes
 from sidecar.source.hash_arrays import read_keys
 
 STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
@@ -131,13 +130,12 @@ class Segment:
 class Decoded:
     """A decoded payload: `parts` alternates Segments and the string CLEARED, in event order."""
 
-    __slots__ = ("blocks", "dp_rank", "error", "ok", "parts")
+    __slots__ = ("dp_rank", "error", "ok", "parts")
 
     def __init__(self, ok: bool, dp_rank: int | None = None, error: str = "") -> None:
         self.ok = ok
         self.dp_rank = dp_rank
         self.parts: list[Segment | str] = []
-        self.blocks = 0
         self.error = error  # why not ok
 
 

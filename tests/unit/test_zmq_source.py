@@ -19,8 +19,9 @@ from sidecar.config import Config, IdentityConfig, SourceConfig, ZmqConfig
 from sidecar.key_state import KeyState
 from sidecar.source import checkpoint as ckpt
 from sidecar.source.block_counts import BlockCounts
+from sidecar.source.hash_arrays import fold_hashes
 from sidecar.source.zmq import DRAIN_BATCHES, Stream, ZmqSource
-from sidecar.source.zmq_events import EventDecoder, fold_hashes
+from sidecar.source.zmq_events import EventDecoder
 
 MEDIUM_INDEX = {"GPU": 0, "CPU": 1, "DISK": 2}
 M64 = (1 << 64) - 1
