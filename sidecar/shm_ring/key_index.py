@@ -3,12 +3,22 @@
 Imports: numpy only. Shared by the engine's resident set and the sidecar's key state, which keep
 their per-key columns (group masks, acked, queued) in arrays indexed by these positions.
 Open addressing with linear probing; a key never leaves the index (callers compact by building a
-fresh one from the keys they keep).
+fresh one from the keys they keep). The probe loop runs in C (_probe.c, one pass, ~5x faster
+than numpy's rounds) when the extension was built, else in the numpy rounds below; both give
+every key the same position set, a new key the next free position.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import numpy as np
+
+_probe: ModuleType | None
+try:
+    from sidecar.shm_ring import _probe
+except ImportError:  # installed without a C compiler: the numpy probes
+    _probe = None
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 SMALL = 1 << 20  # slots
@@ -63,6 +73,9 @@ class KeyIndex:
         """
         base, m = self.n, len(ukeys)
         self.keys = fit(self.keys, base + m)
+        if _probe is not None:
+            self._c_find(np.ascontiguousarray(ukeys, np.int64), True)
+            return
         self.keys[base : base + m] = ukeys
         mask = self.cap - 1
         slot = self._home(ukeys)
@@ -96,6 +109,8 @@ class KeyIndex:
         may repeat: its copies probe in step, one claims the slot, the others find it there."""
         if insert:
             self.keys = fit(self.keys, self.n + len(ukeys))
+        if _probe is not None:
+            return self._c_find(np.ascontiguousarray(ukeys, np.int64), insert)
         mask = self.cap - 1
         idx = self._home(ukeys)
         out = np.full(len(ukeys), -1, np.int64)
@@ -124,6 +139,16 @@ class KeyIndex:
                     done[free] = True  # an empty slot ends the probe: absent
             todo = todo[~done]
             idx[todo] = (idx[todo] + 1) & mask
+        return out
+
+    def _c_find(self, ukeys: np.ndarray, insert: bool) -> np.ndarray:
+        assert _probe is not None
+        out = np.empty(len(ukeys), np.int64)
+        n = _probe.find(ukeys, self._tkeys, self._tpos, self.keys, out, self.n, insert)
+        if n < 0:  # full: the keys before the one that found no slot are in
+            self.n = -1 - n
+            raise IndexFull(f"{self.n} keys in {self.cap} slots")
+        self.n = n
         return out
 
     def _claim(

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.key_state import KeyState
 from sidecar.shm_ring import layout as L
 from tests.oracle import fold
+
+# Over KeyIndex's C probe and its numpy fallback (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("probe_backend")
 
 OPS = st.lists(
     st.tuples(

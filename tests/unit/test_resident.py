@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,6 +11,9 @@ from engine_hook import resident
 from engine_hook.resident import ResidentSet
 from sidecar.shm_ring import layout as L
 from tests.oracle import fold_mediums
+
+# Over KeyIndex's C probe and its numpy fallback (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("probe_backend")
 
 OPS = st.lists(
     st.tuples(

@@ -1,0 +1,10 @@
+# The C extension's signatures (_probe.c); buffers are contiguous numpy arrays.
+from typing import Any
+
+KIND_STORED: int
+KIND_REMOVED: int
+
+def find(
+    ukeys: Any, tkeys: Any, tpos: Any, dense: Any, out: Any, n: int, insert: bool, /
+) -> int: ...
+def apply(pos: Any, metas: Any, masks: Any, /) -> None: ...
