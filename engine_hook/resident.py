@@ -149,7 +149,8 @@ class ResidentSet:
         if not med.any():
             self._fold_medium(0, keys, metas)
             return
-        for m in np.unique(med).tolist():
+        # bincount, not np.unique (its first call imports numpy.ma: key_table.distinct)
+        for m in np.flatnonzero(np.bincount(med.astype(np.intp), minlength=1)).tolist():
             sel = med == m
             self._fold_medium(int(m), keys[sel], metas[sel])
 

@@ -28,6 +28,15 @@ _PAGE = 4096
 Mover = Callable[[np.ndarray], np.ndarray]  # old dense positions (all live) -> new ones
 
 
+def distinct(keys: np.ndarray) -> int:
+    """How many distinct keys: a sort, not np.unique, whose first call imports numpy.ma (10-30
+    ms holding the GIL: inside an engine's flush)."""
+    if len(keys) < 2:
+        return len(keys)
+    s = np.sort(keys)
+    return 1 + int(np.count_nonzero(s[1:] != s[:-1]))
+
+
 class _Rebuild:
     """A fresh index being filled with the keys that were live when it started."""
 
@@ -92,7 +101,7 @@ class KeyTable:
             return self.idx.find(ukeys, insert=False)
         incoming = len(ukeys)
         if self.idx.crowded(incoming):
-            incoming = len(np.unique(ukeys))
+            incoming = distinct(ukeys)
         self._reindex_step(incoming)
         before = self.idx.n
         pos = self.idx.find(ukeys)
