@@ -1,4 +1,4 @@
-"""The one compiled part: sidecar/shm_ring/_probe.c (KeyIndex's probe loop, the resident fold).
+"""The one compiled part: sidecar/shm_ring/_accel.c (KeyIndex's probe loop, the resident fold).
 
 Everything else is in pyproject.toml. `optional=True`: without a C compiler or Python's headers
 the install still succeeds and the numpy probes in key_index.py / resident.py run instead
@@ -9,6 +9,6 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("sidecar.shm_ring._probe", ["sidecar/shm_ring/_probe.c"], optional=True),
+        Extension("sidecar.shm_ring._accel", ["sidecar/shm_ring/_accel.c"], optional=True),
     ]
 )

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from sidecar.shm_ring import key_index
+from sidecar.shm_ring import compiled
 from sidecar.shm_ring.fold import fold_ops
 from sidecar.shm_ring.key_table import KeyTable
 from sidecar.shm_ring.layout import KIND_CLEARED, KIND_REMOVED, KIND_STORED
@@ -164,9 +164,9 @@ class ResidentSet:
         # scatter and read-back of record indexes: one of each repeated position's records
         # reads back its own index, the others do not.
         pos = t.find(keys)
-        probe = key_index._probe
-        if probe is not None:  # the records in order, in one C pass: no repeats to find
-            probe.apply(pos, np.ascontiguousarray(metas, np.uint64), t.cols["masks"])
+        accel = compiled.accel
+        if accel is not None:  # the records in order, in one C pass: no repeats to find
+            accel.apply(pos, np.ascontiguousarray(metas, np.uint64), t.cols["masks"])
             return
         n = len(pos)
         at = np.arange(n)

@@ -19,16 +19,17 @@ def ring_name() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module", params=["c", "numpy"])
-def probe_backend(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Runs a module's tests over KeyIndex's C probe (_probe.c) and over its numpy fallback
-    (what an install without a C compiler runs). Module-scoped: hypothesis tests may use it."""
-    from sidecar.shm_ring import key_index
+def accel_backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs a module's tests over the C hot loops (sidecar/shm_ring/_accel.c) and over their
+    numpy / Python forms (what an install without a C compiler runs). Module-scoped: hypothesis
+    tests may use it."""
+    from sidecar.shm_ring import compiled
 
-    built = key_index._probe
+    built = compiled.accel
     if request.param == "c" and built is None:
-        pytest.skip("the C probe was not built (no compiler at install)")
-    key_index._probe = built if request.param == "c" else None
+        pytest.skip("the C loops were not built (no compiler at install)")
+    compiled.accel = built if request.param == "c" else None
     try:
         yield request.param
     finally:
-        key_index._probe = built
+        compiled.accel = built

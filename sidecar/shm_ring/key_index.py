@@ -3,22 +3,16 @@
 Imports: numpy only. Shared by the engine's resident set and the sidecar's key state, which keep
 their per-key columns (group masks, acked, queued) in arrays indexed by these positions.
 Open addressing with linear probing; a key never leaves the index (callers compact by building a
-fresh one from the keys they keep). The probe loop runs in C (_probe.c, one pass, ~5x faster
+fresh one from the keys they keep). The probe loop runs in C (_accel.c, one pass, ~8x faster
 than numpy's rounds) when the extension was built, else in the numpy rounds below; both give
 every key the same position set, a new key the next free position.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import numpy as np
 
-_probe: ModuleType | None
-try:
-    from sidecar.shm_ring import _probe
-except ImportError:  # installed without a C compiler: the numpy probes
-    _probe = None
+from sidecar.shm_ring import compiled
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 SMALL = 1 << 20  # slots
@@ -73,7 +67,7 @@ class KeyIndex:
         """
         base, m = self.n, len(ukeys)
         self.keys = fit(self.keys, base + m)
-        if _probe is not None:
+        if compiled.accel is not None:
             self._c_find(np.ascontiguousarray(ukeys, np.int64), True)
             return
         self.keys[base : base + m] = ukeys
@@ -109,7 +103,7 @@ class KeyIndex:
         may repeat: its copies probe in step, one claims the slot, the others find it there."""
         if insert:
             self.keys = fit(self.keys, self.n + len(ukeys))
-        if _probe is not None:
+        if compiled.accel is not None:
             return self._c_find(np.ascontiguousarray(ukeys, np.int64), insert)
         mask = self.cap - 1
         idx = self._home(ukeys)
@@ -142,9 +136,10 @@ class KeyIndex:
         return out
 
     def _c_find(self, ukeys: np.ndarray, insert: bool) -> np.ndarray:
-        assert _probe is not None
+        accel = compiled.accel
+        assert accel is not None
         out = np.empty(len(ukeys), np.int64)
-        n = _probe.find(ukeys, self._tkeys, self._tpos, self.keys, out, self.n, insert)
+        n = accel.find(ukeys, self._tkeys, self._tpos, self.keys, out, self.n, insert)
         if n < 0:  # full: the keys before the one that found no slot are in
             self.n = -1 - n
             raise IndexFull(f"{self.n} keys in {self.cap} slots")

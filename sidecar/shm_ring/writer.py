@@ -12,9 +12,11 @@ import os
 import secrets
 import time
 from array import array
+from typing import Any
 
 import numpy as np
 
+from sidecar.shm_ring import compiled
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.doorbell import Bell
 from sidecar.shm_ring.segment import Segment, pid_alive, pid_namespace
@@ -138,6 +140,39 @@ class RingWriter:
             self._put_words(memoryview(keys), memoryview(metas), m)
         self._publish(n, m)
         return m
+
+    def write_step(self, runs: list[tuple[Any, int]]) -> tuple[int, int] | None:
+        """An engine step's staged calls, if each staged a 'Q' word array with its meta:
+        (records accepted, records). None: something else was staged, nothing is written (the
+        caller takes the general path). The usual case (all fit, no wrap) is one C call
+        (_accel.put_runs) and the header stores; else write_runs()."""
+        accel = compiled.accel
+        if accel is None:
+            n = 0
+            for item, _ in runs:
+                if type(item) is not array:
+                    return None
+                n += len(item)
+            return (self.write_runs(runs, n), n) if n <= WORDS_MAX else None
+        tail = self._tail
+        start = tail & self._mask
+        room = min(self.capacity - start, self.capacity - (tail - self._head_cache))
+        n = accel.put_runs(runs, self._words, start, room, self._seq)
+        if n < 0:
+            if n == -1:
+                return None
+            n = -2 - n  # a wrap, or too little room
+            return (self._write_runs_slow(runs, n), n) if n <= WORDS_MAX else None
+        self._seq = seq = self._seq + n
+        self._tail = tail = tail + n
+        self._attempted = attempted = self._attempted + n
+        h = self.seg.hdr
+        h[_W_ATTEMPTED] = attempted
+        h[_W_LAST_SEQ] = seq
+        h[_W_TAIL] = tail  # the publishing store
+        if h[_W_READER_IDLE]:
+            self._bell.ring_if_idle(h)
+        return n, n
 
     def write_runs(self, runs: list[tuple[array[int], int]], n: int) -> int:
         """write() for an engine step's calls: `runs` of (keys as a 'Q' array, one meta for the

@@ -16,7 +16,7 @@ from sidecar.shm_ring import key_index, key_table
 from sidecar.source.block_counts import BlockCounts
 
 # Over KeyIndex's C probe and its numpy fallback (tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("probe_backend")
+pytestmark = pytest.mark.usefixtures("accel_backend")
 
 Counts = dict[tuple[int, int, int], int]
 POOL = st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=40, unique=True)

@@ -18,6 +18,9 @@ from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.reader import RingReader
 from sidecar.shm_ring.segment import Segment
 
+# Over the C hot loops and their Python forms (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("accel_backend")
+
 
 def _attach(ring_name: str, **kw: Any) -> Hook:
     hook = engine_hook.attach(
@@ -483,6 +486,43 @@ def test_writer_write_runs_matches_write_across_the_wrap_and_when_full(
     assert not recs[:, L.C_PARENT].any()
     assert w.write_runs([(array("Q", [7, 8]), stored)], 2) == 2  # room again, wrapped or not
     assert [int(k) for k in reader.read().records[:, L.C_KEY]] == [7, 8]
+    reader.close()
+    w.close()
+    seg.close()
+
+
+@pytest.mark.parametrize("head_at", [0, 5, 12])
+def test_writer_write_step_stores_what_write_runs_does_or_nothing(
+    ring_name: str, head_at: int
+) -> None:
+    """write_step (C put_runs, or its Python form) = write_runs for a step of 'Q' runs, in one
+    piece, across the ring's end and when full; anything else staged writes nothing (None)."""
+    from array import array
+
+    from sidecar.shm_ring.writer import RingWriter
+
+    stored, removed = L.pack_meta(L.KIND_STORED, 1), L.pack_meta(L.KIND_REMOVED, 0, 2)
+    seg = Segment(ring_name, 16)
+    w = RingWriter(seg)
+    reader = RingReader(Segment(ring_name))
+    w.write(np.arange(100, 100 + head_at, dtype=np.int64), stored)
+    reader.read()
+    for odd in ([(5, stored)], [([1, 2], stored)], [(np.arange(2), stored)], [(b"x" * 8, 1)]):
+        assert w.write_step([(array("Q", [1]), stored), *odd]) is None  # type: ignore[list-item]
+        assert w.last_seq == head_at and not len(reader.read().records)
+    runs = [(array("Q", [1, 2**64 - 1]), stored), (array("Q", range(10, 13)), removed)]
+    assert w.write_step(runs) == (5, 5)
+    recs = reader.read().records
+    assert [int(k) for k in recs[:, L.C_KEY].view(np.int64)] == [1, -1, 10, 11, 12]
+    assert [int(m) for m in recs[:, L.C_META]] == [stored] * 2 + [removed] * 3
+    assert [int(s) for s in recs[:, L.C_SEQ]] == list(range(head_at + 1, head_at + 6))
+    assert not recs[:, L.C_PARENT].any()
+    assert int(seg.hdr[L.W_TAIL]) == head_at + 5 and int(seg.hdr[L.W_LAST_SEQ]) == head_at + 5
+    big = [(array("Q", range(20, 40)), stored)]  # 20 records, 16 free: the newest 4 dropped
+    assert w.write_step(big) == (16, 20)
+    assert w.dropped == 4
+    assert [int(k) for k in reader.read().records[:, L.C_KEY]] == list(range(20, 36))
+    assert w.write_step([]) == (0, 0)
     reader.close()
     w.close()
     seg.close()

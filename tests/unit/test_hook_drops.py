@@ -13,9 +13,16 @@ import uuid
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 import engine_hook
 from engine_hook.hook import Hook
@@ -143,7 +150,9 @@ class HookDropsMachine(RuleBasedStateMachine):
             unlink(self.ring)
 
 
-HookDropsMachine.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=40, deadline=None
-)
-test_hook_never_loses_a_transition_through_drops_and_snapshots = HookDropsMachine.TestCase
+@pytest.mark.usefixtures("accel_backend")  # the C hot loops and their Python forms
+def test_hook_never_loses_a_transition_through_drops_and_snapshots() -> None:
+    run_state_machine_as_test(
+        HookDropsMachine,
+        settings=settings(max_examples=300, stateful_step_count=40, deadline=None),
+    )

@@ -21,6 +21,9 @@ from sidecar.shm_ring.doorbell import EngineBell, ring_engine
 from sidecar.shm_ring.reader import RingReader
 from sidecar.shm_ring.segment import Segment
 
+# Over the C hot loops and their Python forms (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("accel_backend")
+
 DELAY_S = 0.005
 
 

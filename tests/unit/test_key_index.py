@@ -14,7 +14,7 @@ from sidecar.shm_ring.key_index import KeyIndex, sized_for
 from sidecar.shm_ring.key_table import KeyTable
 
 # Over KeyIndex's C probe and its numpy fallback (tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("probe_backend")
+pytestmark = pytest.mark.usefixtures("accel_backend")
 
 KEYS = st.lists(st.integers(-(2**63), 2**63 - 1), unique=True, max_size=200)
 

@@ -12,7 +12,7 @@ from sidecar.shm_ring import layout as L
 from tests.oracle import fold
 
 # Over KeyIndex's C probe and its numpy fallback (tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("probe_backend")
+pytestmark = pytest.mark.usefixtures("accel_backend")
 
 OPS = st.lists(
     st.tuples(

@@ -1,18 +1,23 @@
-/* The two hot loops of KeyIndex and the hook's resident set, in C: one pass per call.
+/* The hot loops in C, one pass per call: KeyIndex's probe, the hook's resident fold, and the
+ * ring write of an engine step.
  *
- * The numpy forms (key_index.py, resident.py) are the reference and the fallback when this
- * module was not built: with numpy a probe round is ~20 calls over the keys still probing, and
- * a batch of 8 k records cost ~250 ns each (~50 ns in this loop, a random slot read or two).
- * Arrays come in through the buffer protocol (no numpy headers needed to build), so both
- * callers pass their numpy columns as they are. No GIL release: a call takes microseconds, and
- * in the engine a released GIL would have to be won back from the engine's own thread.
+ * The numpy / Python forms (key_index.py, resident.py, writer.py) are the reference and the
+ * fallback when this module was not built (sidecar/shm_ring/compiled.py). With numpy a probe
+ * round is ~20 calls over the keys still probing: a batch of 8 k records cost ~250 ns each,
+ * ~30 ns in this loop. An engine step's ring write was ~10 Python-level slice copies per call,
+ * each costing microseconds on the caches an engine's step leaves cold.
+ * Arrays come in through the buffer protocol (no numpy headers needed to build), so callers
+ * pass their numpy columns and word arrays as they are. No GIL release: a call takes
+ * microseconds, and in the engine a released GIL would have to be won back from the engine.
  *
- * The slot layout is key_index.py's: tkeys[slot] = key, tpos[slot] = dense position + 1
+ * The index layout is key_index.py's: tkeys[slot] = key, tpos[slot] = dense position + 1
  * (0 = empty), home slot = (key * golden) >> (64 - log2(slots)), linear probing.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <string.h>
 
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 /* Must equal sidecar/shm_ring/layout.py's KIND_STORED / KIND_REMOVED (a test compares). */
@@ -156,15 +161,112 @@ e1:
     return NULL;
 }
 
+/* put_runs(runs, words, start, room, seq) -> records written, -1 or -2 - records.
+ * runs: the hook's staged list of (keys as an array('Q'), meta int). If every item is one and
+ * their records fit in `room` slots from slot `start` (the caller rules out a wrap and a full
+ * ring), each record i goes to slot start + i of `words` (the ring's slots as u64 words: seq,
+ * key, meta, parent) with seq = seq + 1 + i, the seq words last (a slot is valid once its seq
+ * matches; the caller's tail store publishes them). -1: an item is something else; -2 - n: n
+ * records do not fit. In both cases nothing is written. */
+static PyObject *put_runs(PyObject *self, PyObject *args) {
+    PyObject *runs, *o_words;
+    Py_ssize_t start, room;
+    unsigned long long seq;
+    if (!PyArg_ParseTuple(args, "O!OnnK", &PyList_Type, &runs, &o_words, &start, &room, &seq))
+        return NULL;
+    const Py_ssize_t nr = PyList_GET_SIZE(runs);
+    Py_buffer small_views[8];
+    uint64_t small_metas[8];
+    Py_buffer *views = small_views;
+    uint64_t *metas = small_metas;
+    if (nr > 8) {
+        views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)nr);
+        metas = PyMem_Malloc(sizeof(uint64_t) * (size_t)nr);
+        if (views == NULL || metas == NULL) {
+            PyMem_Free(views);
+            PyMem_Free(metas);
+            return PyErr_NoMemory();
+        }
+    }
+    Py_ssize_t got = 0, total = 0;
+    int bad = 0;
+    for (; got < nr; got++) {
+        PyObject *it = PyList_GET_ITEM(runs, got);
+        if (!PyTuple_CheckExact(it) || PyTuple_GET_SIZE(it) != 2) {
+            bad = 1;
+            break;
+        }
+        PyObject *kw = PyTuple_GET_ITEM(it, 0), *mo = PyTuple_GET_ITEM(it, 1);
+        if (!PyLong_CheckExact(mo) || !PyObject_CheckBuffer(kw)) {
+            bad = 1;
+            break;
+        }
+        if (PyObject_GetBuffer(kw, &views[got], PyBUF_CONTIG_RO | PyBUF_FORMAT) < 0) {
+            PyErr_Clear();
+            bad = 1;
+            break;
+        }
+        Py_buffer *v = &views[got];
+        const uint64_t meta = PyLong_AsUnsignedLongLong(mo);
+        if (v->itemsize != 8 || v->format == NULL || strcmp(v->format, "Q") != 0 ||
+            (meta == (uint64_t)-1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            PyBuffer_Release(v);
+            bad = 1;
+            break;
+        }
+        metas[got] = meta;
+        total += v->len / 8;
+    }
+    PyObject *result = NULL;
+    if (bad) {
+        result = PyLong_FromLong(-1);
+    } else if (total > room || start < 0) {
+        result = PyLong_FromSsize_t(-2 - total);
+    } else {
+        Py_buffer w;
+        if (PyObject_GetBuffer(o_words, &w, PyBUF_CONTIG) == 0) {
+            if (w.itemsize != 8 || (start + total) * 4 > w.len / 8) {
+                PyErr_SetString(PyExc_ValueError, "put_runs: the slots do not fit the ring");
+            } else {
+                uint64_t *const base = (uint64_t *)w.buf + 4 * start;
+                uint64_t *sw = base;
+                for (Py_ssize_t r = 0; r < nr; r++) {
+                    const uint64_t *kw = views[r].buf, meta = metas[r];
+                    const Py_ssize_t k = views[r].len / 8;
+                    for (Py_ssize_t i = 0; i < k; i++, sw += 4) {
+                        sw[1] = kw[i];
+                        sw[2] = meta;
+                        sw[3] = 0;
+                    }
+                }
+                /* The payload before the seq words (x86-64 keeps stores in order; this keeps
+                 * the compiler from merging the loops). */
+                atomic_signal_fence(memory_order_seq_cst);
+                for (Py_ssize_t j = 0; j < total; j++) base[4 * j] = seq + 1 + (uint64_t)j;
+                result = PyLong_FromSsize_t(total);
+            }
+            PyBuffer_Release(&w);
+        }
+    }
+    for (Py_ssize_t r = 0; r < got; r++) PyBuffer_Release(&views[r]);
+    if (views != small_views) {
+        PyMem_Free(views);
+        PyMem_Free(metas);
+    }
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"put_runs", put_runs, METH_VARARGS, "put_runs(runs, words, start, room, seq) -> records"},
     {"find", find, METH_VARARGS, "find(ukeys, tkeys, tpos, dense, out, n, insert) -> new n, or -1 - n if full"},
     {"apply", apply, METH_VARARGS, "apply(pos, metas, masks): group bits set/cleared in order"},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_probe", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_accel", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__probe(void) {
+PyMODINIT_FUNC PyInit__accel(void) {
     PyObject *mod = PyModule_Create(&module);
     if (mod == NULL) return NULL;
     if (PyModule_AddIntConstant(mod, "KIND_STORED", KIND_STORED) < 0 ||

@@ -1,4 +1,4 @@
-# The C extension's signatures (_probe.c); buffers are contiguous numpy arrays.
+# The C extension's signatures (_accel.c); buffers are contiguous numpy arrays.
 from typing import Any
 
 KIND_STORED: int
@@ -8,3 +8,4 @@ def find(
     ukeys: Any, tkeys: Any, tpos: Any, dense: Any, out: Any, n: int, insert: bool, /
 ) -> int: ...
 def apply(pos: Any, metas: Any, masks: Any, /) -> None: ...
+def put_runs(runs: list[Any], words: Any, start: int, room: int, seq: int, /) -> int: ...

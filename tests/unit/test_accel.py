@@ -1,4 +1,5 @@
-"""_probe.c, KeyIndex's probe loop and the resident fold in C, against the numpy forms."""
+"""_accel.c, the hot loops in C (KeyIndex's probe, the resident fold, the ring write), against
+the numpy / Python forms they replace."""
 
 from __future__ import annotations
 
@@ -10,25 +11,25 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.shm_ring import key_index
+from sidecar.shm_ring import compiled, key_index
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.key_index import IndexFull, KeyIndex
 
-probe = key_index._probe
-needs_c = pytest.mark.skipif(probe is None, reason="the C probe was not built")
+accel = compiled.accel
+needs_c = pytest.mark.skipif(accel is None, reason="the C loops were not built")
 
 
-def test_probe_is_built_wherever_a_compiler_is() -> None:
-    # The benchmarks' figures are the C probe's: an install that silently fell back to numpy
+def test_accel_is_built_wherever_a_compiler_is() -> None:
+    # The benchmarks' figures are the C loops': an install that silently fell back to numpy
     # (setup.py builds it optional) must not pass for one that has it.
     if shutil.which("gcc") or shutil.which("cc"):
-        assert probe is not None
+        assert accel is not None
 
 
 @needs_c
-def test_probe_kinds_are_the_ring_layouts() -> None:
-    assert probe is not None
-    assert (probe.KIND_STORED, probe.KIND_REMOVED) == (L.KIND_STORED, L.KIND_REMOVED)
+def test_accel_kinds_are_the_ring_layouts() -> None:
+    assert accel is not None
+    assert (accel.KIND_STORED, accel.KIND_REMOVED) == (L.KIND_STORED, L.KIND_REMOVED)
 
 
 def _both(cap: int) -> tuple[KeyIndex, KeyIndex]:
@@ -42,7 +43,7 @@ def _both(cap: int) -> tuple[KeyIndex, KeyIndex]:
     ),
     cap=st.sampled_from([128, 256]),
 )
-def test_probe_find_agrees_with_numpy_rounds(calls: list[tuple[list[int], bool]], cap: int) -> None:
+def test_accel_find_agrees_with_numpy_rounds(calls: list[tuple[list[int], bool]], cap: int) -> None:
     # The same calls on two indexes, C and numpy: the same keys end up in, each key's copies
     # get one position, lookups agree once positions are mapped by key, and the C form gives
     # new keys n, n+1, ... in first-seen order.
@@ -51,11 +52,11 @@ def test_probe_find_agrees_with_numpy_rounds(calls: list[tuple[list[int], bool]]
         arr = np.array(keys, np.int64)
         n0 = c_idx.n
         got_c = c_idx.find(arr, insert=insert)
-        key_index._probe = None
+        compiled.accel = None
         try:
             got_np = np_idx.find(arr, insert=insert)
         finally:
-            key_index._probe = probe
+            compiled.accel = accel
         assert c_idx.n == np_idx.n
         c_of = dict(zip(c_idx.keys[: c_idx.n].tolist(), range(c_idx.n), strict=True))
         np_of = dict(zip(np_idx.keys[: np_idx.n].tolist(), range(np_idx.n), strict=True))
@@ -68,7 +69,7 @@ def test_probe_find_agrees_with_numpy_rounds(calls: list[tuple[list[int], bool]]
 
 
 @needs_c
-def test_probe_full_index_raises_with_the_keys_before_it_kept() -> None:
+def test_accel_full_index_raises_with_the_keys_before_it_kept() -> None:
     idx = KeyIndex(8)
     idx.find(np.arange(6, dtype=np.int64))
     with pytest.raises(IndexFull):
@@ -80,24 +81,24 @@ def test_probe_full_index_raises_with_the_keys_before_it_kept() -> None:
 
 
 @needs_c
-def test_probe_rejects_arrays_that_do_not_fit() -> None:
-    assert probe is not None
+def test_accel_rejects_arrays_that_do_not_fit() -> None:
+    assert accel is not None
     idx = KeyIndex(16)
     keys = np.arange(4, dtype=np.int64)
     out = np.empty(4, np.int64)
     with pytest.raises(TypeError, match="keys"):
-        probe.find(keys.astype(np.int32), idx._tkeys, idx._tpos, idx.keys, out, 0, True)
+        accel.find(keys.astype(np.int32), idx._tkeys, idx._tpos, idx.keys, out, 0, True)
     with pytest.raises(ValueError, match="do not fit"):
-        probe.find(keys, idx._tkeys, idx._tpos, idx.keys[:2], out, 0, True)  # no room
+        accel.find(keys, idx._tkeys, idx._tpos, idx.keys[:2], out, 0, True)  # no room
     with pytest.raises(ValueError, match="do not fit"):
-        probe.find(keys, idx._tkeys[:12], idx._tpos[:12], idx.keys, out, 0, True)  # not 2^k
+        accel.find(keys, idx._tkeys[:12], idx._tpos[:12], idx.keys, out, 0, True)  # not 2^k
     masks = np.zeros(4, np.uint32)
     with pytest.raises(IndexError):
-        probe.apply(np.array([4], np.int64), np.array([1], np.uint64), masks)
+        accel.apply(np.array([4], np.int64), np.array([1], np.uint64), masks)
     with pytest.raises(TypeError, match="masks"):
-        probe.apply(np.array([0], np.int64), np.array([1], np.uint64), masks.astype(np.int64))
+        accel.apply(np.array([0], np.int64), np.array([1], np.uint64), masks.astype(np.int64))
     with pytest.raises(ValueError, match="length"):
-        probe.apply(np.array([0, 1], np.int64), np.array([1], np.uint64), masks)
+        accel.apply(np.array([0, 1], np.int64), np.array([1], np.uint64), masks)
 
 
 @needs_c
@@ -109,10 +110,10 @@ def test_probe_rejects_arrays_that_do_not_fit() -> None:
         max_size=80,
     )
 )
-def test_probe_apply_is_the_records_in_order(ops: list[tuple[int, int, int]]) -> None:
+def test_accel_apply_is_the_records_in_order(ops: list[tuple[int, int, int]]) -> None:
     # Groups past 31 have no bit in a uint32 mask: they change nothing, as the numpy fold's
     # astype(uint32) drops them.
-    assert probe is not None
+    assert accel is not None
     masks = np.zeros(6, np.uint32)
     want = [0] * 6
     for p, kind, g in ops:
@@ -120,16 +121,16 @@ def test_probe_apply_is_the_records_in_order(ops: list[tuple[int, int, int]]) ->
         want[p] = want[p] | bit if kind == L.KIND_STORED else want[p] & ~bit
     pos = np.array([p for p, _, _ in ops], np.int64)
     metas = np.array([L.pack_meta(k, g) for _, k, g in ops], np.uint64)
-    probe.apply(pos, metas, masks)
+    accel.apply(pos, metas, masks)
     assert masks.tolist() == want
 
 
 @needs_c
-def test_probe_is_built_from_the_current_source() -> None:
-    # An in-place build (pip install -e, what scripts/test runs) older than _probe.c is a stale
+def test_accel_is_built_from_the_current_source() -> None:
+    # An in-place build (pip install -e, what scripts/test runs) older than _accel.c is a stale
     # module: the tests would pass or fail for code that is not in the tree.
-    assert probe is not None and probe.__file__ is not None
-    src = Path(key_index.__file__).with_name("_probe.c")
-    built = Path(probe.__file__)
+    assert accel is not None and accel.__file__ is not None
+    src = Path(key_index.__file__).with_name("_accel.c")
+    built = Path(accel.__file__)
     if src.is_file() and built.parent == src.parent:
         assert built.stat().st_mtime >= src.stat().st_mtime, "rebuild: scripts/test (pip -e)"
