@@ -508,7 +508,7 @@ def test_writer_write_step_stores_what_write_runs_does_or_nothing(
     w.write(np.arange(100, 100 + head_at, dtype=np.int64), stored)
     reader.read()
     for odd in ([(5, stored)], [([1, 2], stored)], [(np.arange(2), stored)], [(b"x" * 8, 1)]):
-        assert w.write_step([(array("Q", [1]), stored), *odd]) is None  # type: ignore[list-item]
+        assert w.write_step([(array("Q", [1]), stored), *odd]) is None
         assert w.last_seq == head_at and not len(reader.read().records)
     runs = [(array("Q", [1, 2**64 - 1]), stored), (array("Q", range(10, 13)), removed)]
     assert w.write_step(runs) == (5, 5)
