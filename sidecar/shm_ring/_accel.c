@@ -161,19 +161,33 @@ e1:
     return NULL;
 }
 
-/* put_runs(runs, words, start, room, seq) -> records written, -1 or -2 - records.
- * runs: the hook's staged list of (keys as an array('Q'), meta int). If every item is one and
- * their records fit in `room` slots from slot `start` (the caller rules out a wrap and a full
- * ring), each record i goes to slot start + i of `words` (the ring's slots as u64 words: seq,
- * key, meta, parent) with seq = seq + 1 + i, the seq words last (a slot is valid once its seq
- * matches; the caller's tail store publishes them). -1: an item is something else; -2 - n: n
- * records do not fit. In both cases nothing is written. */
-static PyObject *put_runs(PyObject *self, PyObject *args) {
-    PyObject *runs, *o_words;
-    Py_ssize_t start, room;
-    unsigned long long seq;
-    if (!PyArg_ParseTuple(args, "O!OnnK", &PyList_Type, &runs, &o_words, &start, &room, &seq))
+/* Must equal sidecar/shm_ring/layout.py's header words (a test compares). */
+#define W_TAIL 8
+#define W_LAST_SEQ 10
+#define W_ATTEMPTED 12
+#define HEADER_WORDS 512
+
+/* put_runs(runs, words, hdr, start, room, seq, attempted, tail) -> records written, -1 or
+ * -2 - records. runs: the hook's staged list of (keys as an array('Q'), meta int). If every
+ * item is one and their records fit in `room` slots from slot `start` (the caller rules out a
+ * wrap and a full ring), record i goes to slot start + i of `words` (the ring's slots as u64
+ * words: seq, key, meta, parent) with seq = seq + 1 + i, the seq words after the payload (a
+ * slot is valid once its seq matches), then the header: attempted and last seq, and last the
+ * tail (the publishing store). -1: an item is something else; -2 - n: n records do not fit;
+ * in both cases nothing is written. METH_FASTCALL: argument tuples and format parsing cost
+ * microseconds on the caches an engine's step leaves cold. */
+static PyObject *put_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "put_runs(runs: list, words, hdr, start, room, seq, attempted, tail)");
         return NULL;
+    }
+    PyObject *runs = args[0];
+    const Py_ssize_t start = PyLong_AsSsize_t(args[3]), room = PyLong_AsSsize_t(args[4]);
+    const unsigned long long seq = PyLong_AsUnsignedLongLong(args[5]);
+    const unsigned long long attempted = PyLong_AsUnsignedLongLong(args[6]);
+    const unsigned long long tail = PyLong_AsUnsignedLongLong(args[7]);
+    if (PyErr_Occurred()) return NULL;
     const Py_ssize_t nr = PyList_GET_SIZE(runs);
     Py_buffer small_views[8];
     uint64_t small_metas[8];
@@ -224,27 +238,38 @@ static PyObject *put_runs(PyObject *self, PyObject *args) {
     } else if (total > room || start < 0) {
         result = PyLong_FromSsize_t(-2 - total);
     } else {
-        Py_buffer w;
-        if (PyObject_GetBuffer(o_words, &w, PyBUF_CONTIG) == 0) {
-            if (w.itemsize != 8 || (start + total) * 4 > w.len / 8) {
-                PyErr_SetString(PyExc_ValueError, "put_runs: the slots do not fit the ring");
-            } else {
-                uint64_t *const base = (uint64_t *)w.buf + 4 * start;
-                uint64_t *sw = base;
-                for (Py_ssize_t r = 0; r < nr; r++) {
-                    const uint64_t *kw = views[r].buf, meta = metas[r];
-                    const Py_ssize_t k = views[r].len / 8;
-                    for (Py_ssize_t i = 0; i < k; i++, sw += 4) {
-                        sw[1] = kw[i];
-                        sw[2] = meta;
-                        sw[3] = 0;
+        Py_buffer w, h;
+        if (PyObject_GetBuffer(args[1], &w, PyBUF_CONTIG) == 0) {
+            if (PyObject_GetBuffer(args[2], &h, PyBUF_CONTIG) == 0) {
+                if (w.itemsize != 8 || h.itemsize != 8 || h.len / 8 < HEADER_WORDS ||
+                    (start + total) * 4 > w.len / 8) {
+                    PyErr_SetString(PyExc_ValueError, "put_runs: the slots do not fit the ring");
+                } else {
+                    uint64_t *const base = (uint64_t *)w.buf + 4 * start;
+                    uint64_t *sw = base;
+                    for (Py_ssize_t r = 0; r < nr; r++) {
+                        const uint64_t *kw = views[r].buf, meta = metas[r];
+                        const Py_ssize_t k = views[r].len / 8;
+                        for (Py_ssize_t i = 0; i < k; i++, sw += 4) {
+                            sw[1] = kw[i];
+                            sw[2] = meta;
+                            sw[3] = 0;
+                        }
                     }
+                    /* Stores in this order (x86-64 keeps them in order; the fences keep the
+                     * compiler from reordering or merging them): payload, seq words, header,
+                     * tail last. */
+                    atomic_signal_fence(memory_order_seq_cst);
+                    for (Py_ssize_t j = 0; j < total; j++) base[4 * j] = seq + 1 + (uint64_t)j;
+                    volatile uint64_t *hw = h.buf;
+                    atomic_signal_fence(memory_order_seq_cst);
+                    hw[W_ATTEMPTED] = attempted + (uint64_t)total;
+                    hw[W_LAST_SEQ] = seq + (uint64_t)total;
+                    atomic_signal_fence(memory_order_seq_cst);
+                    hw[W_TAIL] = tail + (uint64_t)total;
+                    result = PyLong_FromSsize_t(total);
                 }
-                /* The payload before the seq words (x86-64 keeps stores in order; this keeps
-                 * the compiler from merging the loops). */
-                atomic_signal_fence(memory_order_seq_cst);
-                for (Py_ssize_t j = 0; j < total; j++) base[4 * j] = seq + 1 + (uint64_t)j;
-                result = PyLong_FromSsize_t(total);
+                PyBuffer_Release(&h);
             }
             PyBuffer_Release(&w);
         }
@@ -258,7 +283,8 @@ static PyObject *put_runs(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"put_runs", put_runs, METH_VARARGS, "put_runs(runs, words, start, room, seq) -> records"},
+    {"put_runs", (PyCFunction)(void (*)(void))put_runs, METH_FASTCALL,
+     "put_runs(runs, words, hdr, start, room, seq, attempted, tail) -> records"},
     {"find", find, METH_VARARGS, "find(ukeys, tkeys, tpos, dense, out, n, insert) -> new n, or -1 - n if full"},
     {"apply", apply, METH_VARARGS, "apply(pos, metas, masks): group bits set/cleared in order"},
     {NULL, NULL, 0, NULL},
@@ -270,7 +296,11 @@ PyMODINIT_FUNC PyInit__accel(void) {
     PyObject *mod = PyModule_Create(&module);
     if (mod == NULL) return NULL;
     if (PyModule_AddIntConstant(mod, "KIND_STORED", KIND_STORED) < 0 ||
-        PyModule_AddIntConstant(mod, "KIND_REMOVED", KIND_REMOVED) < 0) {
+        PyModule_AddIntConstant(mod, "KIND_REMOVED", KIND_REMOVED) < 0 ||
+        PyModule_AddIntConstant(mod, "W_TAIL", W_TAIL) < 0 ||
+        PyModule_AddIntConstant(mod, "W_LAST_SEQ", W_LAST_SEQ) < 0 ||
+        PyModule_AddIntConstant(mod, "W_ATTEMPTED", W_ATTEMPTED) < 0 ||
+        PyModule_AddIntConstant(mod, "HEADER_WORDS", HEADER_WORDS) < 0) {
         Py_DECREF(mod);
         return NULL;
     }

@@ -145,7 +145,7 @@ class RingWriter:
         """An engine step's staged calls, if each staged a 'Q' word array with its meta:
         (records accepted, records). None: something else was staged, nothing is written (the
         caller takes the general path). The usual case (all fit, no wrap) is one C call
-        (_accel.put_runs) and the header stores; else write_runs()."""
+        (_accel.put_runs: slots and header stores); else write_runs()."""
         accel = compiled.accel
         if accel is None:
             n = 0
@@ -157,19 +157,17 @@ class RingWriter:
         tail = self._tail
         start = tail & self._mask
         room = min(self.capacity - start, self.capacity - (tail - self._head_cache))
-        n = accel.put_runs(runs, self._words, start, room, self._seq)
+        h = self.seg.hdr
+        n = accel.put_runs(runs, self._words, h, start, room, self._seq, self._attempted, tail)
         if n < 0:
             if n == -1:
                 return None
             n = -2 - n  # a wrap, or too little room
             return (self._write_runs_slow(runs, n), n) if n <= WORDS_MAX else None
-        self._seq = seq = self._seq + n
-        self._tail = tail = tail + n
-        self._attempted = attempted = self._attempted + n
-        h = self.seg.hdr
-        h[_W_ATTEMPTED] = attempted
-        h[_W_LAST_SEQ] = seq
-        h[_W_TAIL] = tail  # the publishing store
+        # put_runs stored the slots, then attempted, last seq and (last) the tail
+        self._seq += n
+        self._tail = tail + n
+        self._attempted += n
         if h[_W_READER_IDLE]:
             self._bell.ring_if_idle(h)
         return n, n

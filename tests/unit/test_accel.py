@@ -27,9 +27,15 @@ def test_accel_is_built_wherever_a_compiler_is() -> None:
 
 
 @needs_c
-def test_accel_kinds_are_the_ring_layouts() -> None:
+def test_accel_constants_are_the_ring_layouts() -> None:
     assert accel is not None
     assert (accel.KIND_STORED, accel.KIND_REMOVED) == (L.KIND_STORED, L.KIND_REMOVED)
+    assert (accel.W_TAIL, accel.W_LAST_SEQ, accel.W_ATTEMPTED) == (
+        L.W_TAIL,
+        L.W_LAST_SEQ,
+        L.W_ATTEMPTED,
+    )
+    assert accel.HEADER_WORDS * 8 == L.HEADER_SIZE
 
 
 def _both(cap: int) -> tuple[KeyIndex, KeyIndex]:
