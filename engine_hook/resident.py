@@ -6,7 +6,7 @@ applies every transition it was handed, whether the ring accepted or dropped it:
 a resync rebuilds from. Records are queued and folded in when the queue is long (`fold_at`), when
 the owner calls `fold()` (the hook's flusher, between engine steps) or when a snapshot is asked
 for, so `export()` is exactly the fold of every record applied so far. Not thread-safe: the hook
-calls apply/fold/export only under its flush lock.
+calls apply/fold/export only under its flush token.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ class ResidentSet:
     # ---- reading --------------------------------------------------------------------------
     def __len__(self) -> int:
         """Resident (key, medium) pairs as of the last fold. Never folds: it is read from threads
-        that do not hold the hook's flush lock (stats()), and only that lock's holder may fold."""
+        that do not hold the hook's flush token (stats()), and only its holder may fold."""
         tables = list(self._tables.values())  # a snapshot: the flush thread may swap the dict
         return sum(int(np.count_nonzero(t.cols["masks"][: t.n])) for t in tables)
 
