@@ -2,7 +2,7 @@
 
 Everything else is in pyproject.toml. `optional=True`: without a C compiler or Python's headers
 the install still succeeds and the numpy probes in key_index.py / resident.py run instead
-(`kvcm-sidecar doctor`-style checks: `sidecar.shm_ring.key_index.COMPILED`).
+(`sidecar.shm_ring.compiled.accel` is None then; docs/operations.md, "Prerequisites").
 """
 
 from setuptools import Extension, setup

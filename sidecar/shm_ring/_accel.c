@@ -19,6 +19,10 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Raised with every change to a signature or behaviour here; compiled.py uses the module only
+ * if it equals its own ACCEL_ABI, so a stale in-place build is never called with the wrong
+ * arguments (it falls back to the numpy / Python forms instead). */
+#define ACCEL_ABI 3
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 /* Must equal sidecar/shm_ring/layout.py's KIND_STORED / KIND_REMOVED (a test compares). */
 #define KIND_STORED 1
@@ -115,8 +119,9 @@ e1:
 }
 
 /* apply(pos, metas, masks): for each record in order, its group's bit in masks[pos[i]] is set
- * (stored) or cleared (removed); other kinds change nothing. In order, so the last op per
- * (key, group) wins without sorting. */
+ * (stored) or cleared (removed). In order, so the last op per (key, group) wins without
+ * sorting. Other kinds change nothing (the caller folds stored/removed only; the numpy fold
+ * would let such a record override earlier ones of its key: no caller makes one). */
 static PyObject *apply(PyObject *self, PyObject *args) {
     PyObject *o_pos, *o_metas, *o_masks;
     if (!PyArg_ParseTuple(args, "OOO", &o_pos, &o_metas, &o_masks)) return NULL;
@@ -167,6 +172,9 @@ e1:
 #define W_ATTEMPTED 12
 #define HEADER_WORDS 512
 
+/* array.array: put_runs takes exactly its instances (typecode 'Q'), as writer.py's form does. */
+static PyTypeObject *array_type = NULL;
+
 /* put_runs(runs, words, hdr, start, room, seq, attempted, tail) -> records written, -1 or
  * -2 - records. runs: the hook's staged list of (keys as an array('Q'), meta int). If every
  * item is one and their records fit in `room` slots from slot `start` (the caller rules out a
@@ -183,11 +191,16 @@ static PyObject *put_runs(PyObject *self, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     PyObject *runs = args[0];
-    const Py_ssize_t start = PyLong_AsSsize_t(args[3]), room = PyLong_AsSsize_t(args[4]);
-    const unsigned long long seq = PyLong_AsUnsignedLongLong(args[5]);
-    const unsigned long long attempted = PyLong_AsUnsignedLongLong(args[6]);
-    const unsigned long long tail = PyLong_AsUnsignedLongLong(args[7]);
-    if (PyErr_Occurred()) return NULL;
+    const Py_ssize_t start = PyLong_AsSsize_t(args[3]);
+    if (start == -1 && PyErr_Occurred()) return NULL;
+    const Py_ssize_t room = PyLong_AsSsize_t(args[4]);
+    if (room == -1 && PyErr_Occurred()) return NULL;
+    unsigned long long word[3]; /* seq, attempted, tail */
+    for (int i = 0; i < 3; i++) {
+        word[i] = PyLong_AsUnsignedLongLong(args[5 + i]);
+        if (word[i] == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    }
+    const unsigned long long seq = word[0], attempted = word[1], tail = word[2];
     const Py_ssize_t nr = PyList_GET_SIZE(runs);
     Py_buffer small_views[8];
     uint64_t small_metas[8];
@@ -211,7 +224,7 @@ static PyObject *put_runs(PyObject *self, PyObject *const *args, Py_ssize_t narg
             break;
         }
         PyObject *kw = PyTuple_GET_ITEM(it, 0), *mo = PyTuple_GET_ITEM(it, 1);
-        if (!PyLong_CheckExact(mo) || !PyObject_CheckBuffer(kw)) {
+        if (!PyLong_CheckExact(mo) || !Py_IS_TYPE(kw, array_type)) { /* as writer.py's form */
             bad = 1;
             break;
         }
@@ -293,6 +306,13 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_accel", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__accel(void) {
+    if (array_type == NULL) {
+        PyObject *array = PyImport_ImportModule("array");
+        if (array == NULL) return NULL;
+        array_type = (PyTypeObject *)PyObject_GetAttrString(array, "array");
+        Py_DECREF(array);
+        if (array_type == NULL) return NULL;
+    }
     PyObject *mod = PyModule_Create(&module);
     if (mod == NULL) return NULL;
     if (PyModule_AddIntConstant(mod, "KIND_STORED", KIND_STORED) < 0 ||
@@ -300,7 +320,8 @@ PyMODINIT_FUNC PyInit__accel(void) {
         PyModule_AddIntConstant(mod, "W_TAIL", W_TAIL) < 0 ||
         PyModule_AddIntConstant(mod, "W_LAST_SEQ", W_LAST_SEQ) < 0 ||
         PyModule_AddIntConstant(mod, "W_ATTEMPTED", W_ATTEMPTED) < 0 ||
-        PyModule_AddIntConstant(mod, "HEADER_WORDS", HEADER_WORDS) < 0) {
+        PyModule_AddIntConstant(mod, "HEADER_WORDS", HEADER_WORDS) < 0 ||
+        PyModule_AddIntConstant(mod, "ABI", ACCEL_ABI) < 0) {
         Py_DECREF(mod);
         return NULL;
     }

@@ -1,6 +1,7 @@
 # The C extension's signatures (_accel.c); buffers are contiguous numpy arrays.
 from typing import Any
 
+ABI: int
 KIND_STORED: int
 KIND_REMOVED: int
 W_TAIL: int

@@ -149,10 +149,14 @@ class RingWriter:
         accel = compiled.accel
         if accel is None:
             n = 0
-            for item, _ in runs:
-                if type(item) is not array:
+            for item, meta in runs:
+                if type(item) is not array or item.typecode != "Q" or type(meta) is not int:
+                    return None
+                if not 0 <= meta < 1 << 64:
                     return None
                 n += len(item)
+            # Past WORDS_MAX records: the caller's general path here, put_runs in C (the ring
+            # and the resident set end the same either way).
             return (self.write_runs(runs, n), n) if n <= WORDS_MAX else None
         tail = self._tail
         start = tail & self._mask

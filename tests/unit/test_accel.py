@@ -4,6 +4,9 @@ the numpy / Python forms they replace."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +25,25 @@ needs_c = pytest.mark.skipif(accel is None, reason="the C loops were not built")
 def test_accel_is_built_wherever_a_compiler_is() -> None:
     # The benchmarks' figures are the C loops': an install that silently fell back to numpy
     # (setup.py builds it optional) must not pass for one that has it.
-    if shutil.which("gcc") or shutil.which("cc"):
+    headers = Path(sysconfig.get_paths()["include"], "Python.h").is_file()
+    if headers and (shutil.which("gcc") or shutil.which("cc")):
         assert accel is not None
+
+
+def test_accel_from_another_revision_is_not_used() -> None:
+    # A stale in-place build (a pull without a rebuild) would fail every flush on a changed
+    # signature: compiled.py uses the numpy / Python forms instead, and says so.
+    code = (
+        "import sys, types\n"
+        "fake = types.ModuleType('sidecar.shm_ring._accel')\n"
+        "fake.ABI = -1\n"
+        "sys.modules['sidecar.shm_ring._accel'] = fake\n"
+        "from sidecar.shm_ring import compiled\n"
+        "print(compiled.accel)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None"
+    assert "from another revision" in out.stderr
 
 
 @needs_c

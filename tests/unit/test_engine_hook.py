@@ -507,7 +507,18 @@ def test_writer_write_step_stores_what_write_runs_does_or_nothing(
     reader = RingReader(Segment(ring_name))
     w.write(np.arange(100, 100 + head_at, dtype=np.int64), stored)
     reader.read()
-    for odd in ([(5, stored)], [([1, 2], stored)], [(np.arange(2), stored)], [(b"x" * 8, 1)]):
+    odd_items = (
+        [(5, stored)],
+        [([1, 2], stored)],
+        [(np.arange(2), stored)],
+        [(b"x" * 8, 1)],
+        [(array("q", [1]), stored)],
+        [(memoryview(array("Q", [1])), stored)],  # format 'Q', but not the hook's word array
+        [(np.array([1], np.ulonglong), stored)],
+        [(array("Q", [1]), True)],
+        [(array("Q", [1]), -1)],
+    )
+    for odd in odd_items:
         assert w.write_step([(array("Q", [1]), stored), *odd]) is None
         assert w.last_seq == head_at and not len(reader.read().records)
     runs = [(array("Q", [1, 2**64 - 1]), stored), (array("Q", range(10, 13)), removed)]
