@@ -11,6 +11,7 @@ calls apply/fold/export only under its flush token.
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Iterable
 from typing import Any
@@ -26,6 +27,11 @@ from sidecar.shm_ring.layout import KIND_CLEARED, KIND_REMOVED, KIND_STORED
 # (which runs in the engine's flush) to a few ms; 65 536 made a fold of new keys take 25-80 ms.
 FOLD_AT = 1 << 13
 _MIN_CAP = 1 << 16
+
+
+def _word(key: int) -> bytes:
+    """One key in [-2^63, 2^64) as the u64 word of KVCM's signed bit pattern."""
+    return (key & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, sys.byteorder)
 
 
 def _bits(pos: np.ndarray, metas: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -87,8 +93,9 @@ class ResidentSet:
         if len(keys):
             self._enqueue(keys, metas, len(keys))
 
-    def apply_runs(self, runs: list[tuple[array[int], int]], n: int) -> None:
-        """apply() for (u64 word array, one meta) runs holding n records; takes ownership."""
+    def apply_runs(self, runs: list[tuple[array[int] | int, int]], n: int) -> None:
+        """apply() for (u64 word array or one int key, one meta) runs holding n records;
+        takes ownership."""
         self._queue += runs
         self._queued += n
         if self._queued >= (self.fold_at or FOLD_AT):
@@ -114,17 +121,24 @@ class ResidentSet:
         if not self._queued:
             return
         q = self._queue
-        keys = np.frombuffer(b"".join([k for k, _ in q]), np.int64)
+        # A run's keys: an int64 ndarray, a 'Q' array, or one int key (a single-key call).
+        keys = np.frombuffer(
+            b"".join([k if type(k) is not int else _word(k) for k, _ in q]), np.int64
+        )
         run_metas = [m for _, m in q]
         if all(type(m) is int for m in run_metas):
             # Runs (the hook's step lists): one meta each, so kinds and mediums are known
             # without a pass over the records.
-            metas = np.repeat(np.array(run_metas, np.uint64), [len(k) for k, _ in q])
+            counts = [1 if type(k) is int else len(k) for k, _ in q]
+            metas = np.repeat(np.array(run_metas, np.uint64), counts)
             distinct = set(run_metas)
             cleared = any(m & 0xFF == KIND_CLEARED for m in distinct)
             one_medium = all((m >> 16) & 0xFF == 0 for m in distinct)
         else:
-            parts = [m if type(m) is not int else array("Q", [m]) * len(k) for k, m in q]
+            parts = [
+                m if type(m) is not int else array("Q", [m]) * (1 if type(k) is int else len(k))
+                for k, m in q
+            ]
             metas = np.frombuffer(b"".join(parts), np.uint64)
             cleared, one_medium = True, False  # look at the records
         start = 0

@@ -22,7 +22,7 @@
 /* Raised with every change to a signature or behaviour here; compiled.py uses the module only
  * if it equals its own ACCEL_ABI, so a stale in-place build is never called with the wrong
  * arguments (it falls back to the numpy / Python forms instead). */
-#define ACCEL_ABI 3
+#define ACCEL_ABI 4
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 /* Must equal sidecar/shm_ring/layout.py's KIND_STORED / KIND_REMOVED (a test compares). */
 #define KIND_STORED 1
@@ -176,8 +176,9 @@ e1:
 static PyTypeObject *array_type = NULL;
 
 /* put_runs(runs, words, hdr, start, room, seq, attempted, tail) -> records written, -1 or
- * -2 - records. runs: the hook's staged list of (keys as an array('Q'), meta int). If every
- * item is one and their records fit in `room` slots from slot `start` (the caller rules out a
+ * -2 - records. runs: the hook's staged list of (keys, meta int), keys an array('Q') or one
+ * int key in [-2^63, 2^64) (a negative one, KVCM's signed spelling, wraps). If every item is
+ * one of those and their records fit in `room` slots from slot `start` (the caller rules out a
  * wrap and a full ring), record i goes to slot start + i of `words` (the ring's slots as u64
  * words: seq, key, meta, parent) with seq = seq + 1 + i, the seq words after the payload (a
  * slot is valid once its seq matches), then the header: attempted and last seq, and last the
@@ -203,15 +204,17 @@ static PyObject *put_runs(PyObject *self, PyObject *const *args, Py_ssize_t narg
     const unsigned long long seq = word[0], attempted = word[1], tail = word[2];
     const Py_ssize_t nr = PyList_GET_SIZE(runs);
     Py_buffer small_views[8];
-    uint64_t small_metas[8];
+    uint64_t small_metas[8], small_keys[8];
     Py_buffer *views = small_views;
-    uint64_t *metas = small_metas;
+    uint64_t *metas = small_metas, *keys = small_keys; /* keys: of single-key items */
     if (nr > 8) {
         views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)nr);
         metas = PyMem_Malloc(sizeof(uint64_t) * (size_t)nr);
-        if (views == NULL || metas == NULL) {
+        keys = PyMem_Malloc(sizeof(uint64_t) * (size_t)nr);
+        if (views == NULL || metas == NULL || keys == NULL) {
             PyMem_Free(views);
             PyMem_Free(metas);
+            PyMem_Free(keys);
             return PyErr_NoMemory();
         }
     }
@@ -224,20 +227,37 @@ static PyObject *put_runs(PyObject *self, PyObject *const *args, Py_ssize_t narg
             break;
         }
         PyObject *kw = PyTuple_GET_ITEM(it, 0), *mo = PyTuple_GET_ITEM(it, 1);
-        if (!PyLong_CheckExact(mo) || !Py_IS_TYPE(kw, array_type)) { /* as writer.py's form */
-            bad = 1;
-            break;
-        }
-        if (PyObject_GetBuffer(kw, &views[got], PyBUF_CONTIG_RO | PyBUF_FORMAT) < 0) {
+        const uint64_t meta = PyLong_CheckExact(mo) ? PyLong_AsUnsignedLongLong(mo) : 0;
+        if (!PyLong_CheckExact(mo) || (meta == (uint64_t)-1 && PyErr_Occurred())) {
             PyErr_Clear();
             bad = 1;
             break;
         }
         Py_buffer *v = &views[got];
-        const uint64_t meta = PyLong_AsUnsignedLongLong(mo);
-        if (v->itemsize != 8 || v->format == NULL || strcmp(v->format, "Q") != 0 ||
-            (meta == (uint64_t)-1 && PyErr_Occurred())) {
+        if (PyLong_CheckExact(kw)) { /* one key staged alone (not a bool: not exact) */
+            uint64_t x = PyLong_AsUnsignedLongLong(kw);
+            if (x == (uint64_t)-1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                const long long sx = PyLong_AsLongLong(kw); /* KVCM's signed spelling */
+                if ((sx == -1 && PyErr_Occurred()) || sx >= 0) {
+                    PyErr_Clear();
+                    bad = 1;
+                    break;
+                }
+                x = (uint64_t)sx;
+            }
+            keys[got] = x;
+            v->obj = NULL; /* nothing to release */
+            v->buf = &keys[got];
+            v->len = 8;
+        } else if (!Py_IS_TYPE(kw, array_type)) { /* as writer.py's form */
+            bad = 1;
+            break;
+        } else if (PyObject_GetBuffer(kw, v, PyBUF_CONTIG_RO | PyBUF_FORMAT) < 0) {
             PyErr_Clear();
+            bad = 1;
+            break;
+        } else if (v->itemsize != 8 || v->format == NULL || strcmp(v->format, "Q") != 0) {
             PyBuffer_Release(v);
             bad = 1;
             break;
@@ -287,10 +307,13 @@ static PyObject *put_runs(PyObject *self, PyObject *const *args, Py_ssize_t narg
             PyBuffer_Release(&w);
         }
     }
-    for (Py_ssize_t r = 0; r < got; r++) PyBuffer_Release(&views[r]);
+    for (Py_ssize_t r = 0; r < got; r++) {
+        if (views[r].obj != NULL) PyBuffer_Release(&views[r]);
+    }
     if (views != small_views) {
         PyMem_Free(views);
         PyMem_Free(metas);
+        PyMem_Free(keys);
     }
     return result;
 }

@@ -142,16 +142,16 @@ class RingWriter:
         return m
 
     def write_step(self, runs: list[tuple[Any, int]]) -> tuple[int, int] | None:
-        """An engine step's staged calls, if each staged a 'Q' word array with its meta:
-        (records accepted, records). None: something else was staged, nothing is written (the
-        caller takes the general path). The usual case (all fit, no wrap) is one C call
-        (_accel.put_runs: slots and header stores); else write_runs()."""
+        """An engine step's staged calls, if each staged a 'Q' word array (or, in C, one int
+        key) with its meta: (records accepted, records). None: something else was staged,
+        nothing is written (the caller takes the general path). The usual case (all fit, no
+        wrap) is one C call (_accel.put_runs: slots and header stores); else write_runs()."""
         accel = compiled.accel
         if accel is None:
             n = 0
             for item, meta in runs:
                 if type(item) is not array or item.typecode != "Q" or type(meta) is not int:
-                    return None
+                    return None  # (single int keys too: the caller's scalar path takes them)
                 if not 0 <= meta < 1 << 64:
                     return None
                 n += len(item)
@@ -213,11 +213,15 @@ class RingWriter:
             self._bell.ring_if_idle(h)
         return n
 
-    def _write_runs_slow(self, runs: list[tuple[array[int], int]], n: int) -> int:
+    def _write_runs_slow(self, runs: list[tuple[Any, int]], n: int) -> int:
         m = self._room(n)
         if m:
             kw, mw = array("Q"), array("Q")
             for keys, meta in runs:
+                if type(keys) is int:  # a single key (put_runs takes those; see write_step)
+                    kw.append(keys & _U64)
+                    mw.append(meta)
+                    continue
                 kw += keys
                 mw.extend((self._meta_runs.get(meta) or self._meta_run(meta))[: len(keys)])
             self._put_words(memoryview(kw), memoryview(mw), m)

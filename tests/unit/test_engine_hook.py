@@ -407,7 +407,7 @@ def test_hook_flush_that_raises_loses_nothing(ring_name: str) -> None:
     hook = _attach(ring_name, start_flusher=False)
     reader = RingReader(Segment(ring_name))
     w = hook._writer
-    names = ("write", "write_pairs", "write_words")
+    names = ("write", "write_pairs", "write_words", "write_step", "write_runs")
     real = {name: getattr(w, name) for name in names}
 
     def broken(*args: Any) -> int:
@@ -493,10 +493,11 @@ def test_writer_write_runs_matches_write_across_the_wrap_and_when_full(
 
 @pytest.mark.parametrize("head_at", [0, 5, 12])
 def test_writer_write_step_stores_what_write_runs_does_or_nothing(
-    ring_name: str, head_at: int
+    ring_name: str, head_at: int, accel_backend: str
 ) -> None:
     """write_step (C put_runs, or its Python form) = write_runs for a step of 'Q' runs, in one
-    piece, across the ring's end and when full; anything else staged writes nothing (None)."""
+    piece, across the ring's end and when full; C also takes a single int key; anything else
+    staged writes nothing (None: the caller's general path)."""
     from array import array
 
     from sidecar.shm_ring.writer import RingWriter
@@ -508,7 +509,9 @@ def test_writer_write_step_stores_what_write_runs_does_or_nothing(
     w.write(np.arange(100, 100 + head_at, dtype=np.int64), stored)
     reader.read()
     odd_items = (
-        [(5, stored)],
+        [(True, stored)],  # a bool is no key (an int key alone is taken in C, below)
+        [(2**64, stored)],
+        [(-(2**63) - 1, stored)],
         [([1, 2], stored)],
         [(np.arange(2), stored)],
         [(b"x" * 8, 1)],
@@ -521,6 +524,15 @@ def test_writer_write_step_stores_what_write_runs_does_or_nothing(
     for odd in odd_items:
         assert w.write_step([(array("Q", [1]), stored), *odd]) is None
         assert w.last_seq == head_at and not len(reader.read().records)
+    singles: list[Any] = [(array("Q", [4]), stored), (5, stored), (-1, removed)]
+    if accel_backend == "c":
+        assert w.write_step(singles) == (3, 3)
+        got = reader.read().records
+        assert [int(k) for k in got[:, L.C_KEY]] == [4, 5, 2**64 - 1]
+        assert [int(m) for m in got[:, L.C_META]] == [stored, stored, removed]
+        head_at += 3
+    else:
+        assert w.write_step(singles) is None
     runs = [(array("Q", [1, 2**64 - 1]), stored), (array("Q", range(10, 13)), removed)]
     assert w.write_step(runs) == (5, 5)
     recs = reader.read().records
@@ -534,6 +546,35 @@ def test_writer_write_step_stores_what_write_runs_does_or_nothing(
     assert w.dropped == 4
     assert [int(k) for k in reader.read().records[:, L.C_KEY]] == list(range(20, 36))
     assert w.write_step([]) == (0, 0)
+    reader.close()
+    w.close()
+    seg.close()
+
+
+def test_writer_write_step_single_keys_across_the_wrap_and_when_full(
+    ring_name: str, accel_backend: str
+) -> None:
+    """Single int keys in a step that wraps past the ring's end, or overflows it, go the slow
+    way (write_runs' piece by piece copy) like word arrays do."""
+    from array import array
+
+    from sidecar.shm_ring.writer import RingWriter
+
+    meta = L.pack_meta(L.KIND_STORED)
+    seg = Segment(ring_name, 16)
+    w = RingWriter(seg)
+    reader = RingReader(Segment(ring_name))
+    w.write(np.arange(14, dtype=np.int64), meta)
+    reader.read()
+    step: list[Any] = [(1, meta), (array("Q", [2, 3]), meta), (-4, meta)]
+    if accel_backend != "c":
+        assert w.write_step(step) is None  # the caller's general path
+        return
+    assert w.write_step(step) == (4, 4)  # slots 14, 15, 0, 1
+    assert [int(k) for k in reader.read().records[:, L.C_KEY].view(np.int64)] == [1, 2, 3, -4]
+    assert w.write_step([(k, meta) for k in range(20)]) == (16, 20)
+    assert w.dropped == 4
+    assert [int(k) for k in reader.read().records[:, L.C_KEY]] == list(range(16))
     reader.close()
     w.close()
     seg.close()
