@@ -10,6 +10,7 @@ protocol"); it never wakes per engine step of an engine that flushes itself.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import functools
 import itertools
@@ -66,13 +67,14 @@ class _FlushToken:
     did the same for 5-15 us more per flush on the caches an engine's step leaves cold (its
     argument parsing and semaphore calls; bench/README.md, "hotpath"), 200+ ns per event at
     5 k events/s. `with token:` waits for it (the flusher, close(), flush(wait=True)): it says
-    it waits (`waiting`), and whoever gives the token back then wakes it; a wake-up it misses
-    (given back between its look and its wait) costs at most WAIT_S. (Polling instead, every
-    0.2 ms, made a flusher that met an engine flushing back to back spin: 3x the CPU per
-    unpaced flush.)
+    it waits (`waiting`) and sleeps on `_gate`, a lock used as a binary semaphore that
+    whoever gives the token back releases (a release never blocks: the engine's flush must
+    not; threading.Event.set takes a lock the sleeper may hold). A wake-up it misses (two
+    waiters at once) costs at most WAIT_S. (Polling instead, every 0.2 ms, made a flusher
+    that met an engine flushing back to back spin: 3x the CPU per unpaced flush.)
     """
 
-    __slots__ = ("_wake", "give", "take", "waiting")
+    __slots__ = ("_gate", "give", "take", "waiting")
     WAIT_S = 0.005
 
     def __init__(self) -> None:
@@ -80,20 +82,22 @@ class _FlushToken:
         self.take = slot.pop
         self.give = slot.append
         self.waiting = False
-        self._wake = threading.Event()
+        self._gate = _thread.allocate_lock()
+        self._gate.acquire()  # held: no wake-up pending
 
     def woken(self) -> None:
-        """After give(), when `waiting`: wake the waiter."""
-        self._wake.set()
+        """After give(), when `waiting`: wake the waiter (never blocks)."""
+        with contextlib.suppress(RuntimeError):  # already released: a wake-up is pending
+            self._gate.release()
 
     def __enter__(self) -> None:
         while True:
             self.waiting = True
-            self._wake.clear()
+            self._gate.acquire(False)  # a stale wake-up: consumed before the look
             try:
                 self.take()
             except IndexError:
-                self._wake.wait(self.WAIT_S)
+                self._gate.acquire(True, self.WAIT_S)
                 continue
             self.waiting = False
             return
@@ -101,7 +105,7 @@ class _FlushToken:
     def __exit__(self, *exc: object) -> None:
         self.give(True)
         if self.waiting:
-            self._wake.set()
+            self.woken()
 
 
 class _RateLimitedLog:

@@ -6,6 +6,7 @@ the real thread and waits on the ring, bounded."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -212,3 +213,71 @@ def test_hook_flush_posts_the_flusher_once_to_fold_and_never_folds_itself(
     assert h._bell.wait(0)  # re-armed by the fold
     h.close()
     reader.close()
+
+
+def test_flush_token_excludes_every_taker_and_wakes_its_waiter() -> None:
+    # The engine's flush takes it without waiting (IndexError: busy) and gives it back; the
+    # flusher, close() and flush(wait=True) wait for it (`with token:`), woken by the giver.
+    from engine_hook.hook import _FlushToken
+
+    tok = _FlushToken()
+    tok.take()  # held: by an engine flush, say
+    inside = threading.Event()
+
+    def waiter() -> None:
+        with tok:
+            inside.set()
+
+    t = threading.Thread(target=waiter, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 5
+    while not tok.waiting and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    assert tok.waiting and not inside.is_set()  # it waits while the token is taken
+    tok.give(True)
+    tok.woken()
+    assert inside.wait(5)
+    t.join(5)
+    with pytest.raises(IndexError):  # given back once: one item, not two
+        tok.take()
+        tok.take()
+
+    tok = _FlushToken()
+    holders: list[int] = []
+    overlaps: list[int] = []
+
+    def hold(who: int) -> None:
+        if holders:
+            overlaps.append(who)
+        holders.append(who)
+        holders.remove(who)
+
+    def blocking(who: int) -> None:
+        for _ in range(2000):
+            with tok:
+                hold(who)
+
+    def engine() -> None:
+        for _ in range(4000):
+            try:
+                tok.take()
+            except IndexError:
+                continue
+            try:
+                hold(99)
+            finally:
+                tok.give(True)
+                if tok.waiting:
+                    tok.woken()
+
+    threads = [threading.Thread(target=blocking, args=(i,)) for i in range(3)]
+    threads.append(threading.Thread(target=engine))
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert not any(th.is_alive() for th in threads)
+    assert overlaps == []
+    tok.take()  # exactly one token left
+    with pytest.raises(IndexError):
+        tok.take()
