@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import _thread
 import contextlib
-import functools
 import itertools
 import logging
 import threading
@@ -26,6 +25,7 @@ import numpy as np
 from engine_hook import resident
 from engine_hook.descriptor import Descriptor
 from engine_hook.resident import ResidentSet
+from sidecar.shm_ring import compiled
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.doorbell import EngineBell
 from sidecar.shm_ring.segment import Segment
@@ -170,13 +170,31 @@ def split_keys(keys: Any) -> tuple[np.ndarray, Exception | None]:
 
 
 _NO_KEYS = np.empty(0, np.int64)
-_words = functools.partial(array, "Q")  # array('Q', keys): the staging conversion
+
+
+def _py_words(keys: list[Any]) -> array[int]:
+    """The staging conversion without the compiled module (`_accel.words` in C): a list of
+    ints as a 'Q' word array; OverflowError for a negative key (the flush converts those),
+    TypeError for a bool or a non-int (a bool is never a key: split_keys refuses it)."""
+    for k in keys:
+        if type(k) is bool:
+            raise TypeError("a bool is not a block key")
+    return array("Q", keys)
 
 
 def _key_words(flat: list[Any]) -> array[int] | None:
-    """`flat` as u64 words of KVCM's signed bit pattern if every key is an int in
-    [-2^63, 2^64), else None. One C-level conversion checks and converts: what a flush of a
-    step's lists costs per key. (A bool inside a list passes as 0 or 1, as int() would.)"""
+    """`flat` as u64 words of KVCM's signed bit pattern if every key is an int (not a bool)
+    in [-2^63, 2^64), else None. One C-level conversion checks and converts: what a flush of
+    a step's lists costs per key."""
+    accel = compiled.accel
+    if accel is not None:
+        try:
+            words: array[int] = accel.words(flat)
+        except (TypeError, OverflowError):
+            return None
+        return words
+    if any(type(k) is bool for k in flat):
+        return None
     try:
         return array("Q", flat)
     except OverflowError:
@@ -213,6 +231,11 @@ class Hook:
         self._provider: SnapshotProvider | None = None
         self._staged: list[tuple[Any, int]] = []
         self._append = self._staged.append
+        # The staging conversion of a list (C: one call; a bool refused, a negative key taken).
+        accel = compiled.accel
+        self._words: Callable[[list[Any]], array[int]] = (
+            accel.words if accel is not None else _py_words
+        )
         self._flush_lock = _FlushToken()
         self._take, self._give = self._flush_lock.take, self._flush_lock.give
         self._problem = _RateLimitedLog()
@@ -254,10 +277,11 @@ class Hook:
             self._thread.start()
 
     # ---- hot path ----------------------------------------------------------------------------
-    # A call only stages (keys, meta): an int; a list of ints as a 'Q' word array (one C-level
-    # pass checks and converts it, and reads each int once: the engine's ints are cold after
-    # its step); a list that does not convert (negative or bad keys) as a copy, checked at the
-    # flush; an int64 array copy. Copies, because an engine may reuse its list after the call.
+    # A call only stages (keys, meta): an int; a list of ints as a 'Q' word array (one C call,
+    # _accel.words, checks and converts it, and reads each int once: the engine's ints are
+    # cold after its step); a list that does not convert (a bad key: a bool, a str, ...) as a
+    # copy, checked at the flush, where a bad key costs only itself; an int64 array copy.
+    # Copies, because an engine may reuse its list after the call.
     def stored(self, keys: Any, group: int = 0, medium: str | None = None) -> None:
         """Blocks with these keys now hold `group`'s KV in `medium` (default: the descriptor's).
         Never raises, never blocks."""
@@ -269,7 +293,7 @@ class Hook:
             elif t is list:
                 if keys:
                     try:
-                        self._append((_words(keys), meta))
+                        self._append((self._words(keys), meta))
                     except (OverflowError, TypeError):
                         self._append((keys[:], meta))
             else:
@@ -289,7 +313,7 @@ class Hook:
             elif t is list:
                 if keys:
                     try:
-                        self._append((_words(keys), meta))
+                        self._append((self._words(keys), meta))
                     except (OverflowError, TypeError):
                         self._append((keys[:], meta))
             else:

@@ -1,4 +1,5 @@
 # The C extension's signatures (_accel.c); buffers are contiguous numpy arrays.
+from array import array
 from typing import Any
 
 ABI: int
@@ -24,3 +25,4 @@ def put_runs(
     tail: int,
     /,
 ) -> int: ...
+def words(keys: list[Any], /) -> array[int]: ...

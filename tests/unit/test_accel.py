@@ -160,3 +160,22 @@ def test_accel_is_built_from_the_current_source() -> None:
     built = Path(accel.__file__)
     if src.is_file() and built.parent == src.parent:
         assert built.stat().st_mtime >= src.stat().st_mtime, "rebuild: scripts/test (pip -e)"
+
+
+@needs_c
+def test_accel_words_is_the_staging_conversion() -> None:
+    assert accel is not None
+    from array import array
+
+    got = accel.words([0, 1, 2**64 - 1, -1, -(2**63), 2**63])
+    assert type(got) is array and got.typecode == "Q"
+    assert list(got) == [0, 1, 2**64 - 1, 2**64 - 1, 2**63, 2**63]
+    assert list(accel.words([])) == []
+    for bad in ([1, True], [1, "x"], [np.int64(1)], [1.0]):
+        with pytest.raises(TypeError):
+            accel.words(bad)
+    for big in ([2**64], [-(2**63) - 1], [10**30]):
+        with pytest.raises(OverflowError):
+            accel.words(big)
+    with pytest.raises(TypeError):
+        accel.words((1, 2))

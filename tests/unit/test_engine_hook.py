@@ -351,6 +351,23 @@ def test_hook_bad_key_inside_a_list_costs_only_itself(ring_name: str) -> None:
     hook.close()
 
 
+def test_hook_a_bool_is_never_a_key_alone_or_in_a_list(ring_name: str) -> None:
+    # One rule (it used to pass as 0/1 inside a list of good keys, and be refused alone or
+    # beside a bad key): refused, counted, costing only itself; np.int64 items are keys.
+    hook = _attach(ring_name, start_flusher=False)
+    reader = RingReader(Segment(ring_name))
+    hook.stored([5, True, 6])
+    hook.stored(True)
+    hook.removed([False])
+    hook.stored([7, np.int64(8), -1])
+    hook.flush()
+    keys = [int(k) for k in reader.read().records[:, L.C_KEY].view(np.int64)]
+    assert keys == [5, 6, 7, 8, -1]
+    assert hook.stats()["problems"] == {"bad_key": 3}
+    reader.close()
+    hook.close()
+
+
 def test_snapshot_from_a_producer_without_mediums_reads_as_medium_0(ring_name: str) -> None:
     from sidecar.shm_ring import snapshot
 
