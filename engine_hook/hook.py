@@ -14,6 +14,7 @@ import _thread
 import contextlib
 import itertools
 import logging
+import operator
 import threading
 import time
 from array import array
@@ -158,12 +159,19 @@ def split_keys(keys: Any) -> tuple[np.ndarray, Exception | None]:
     out = []
     problem: Exception | None = None
     for k in keys:
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-            problem = problem or TypeError(f"key {k!r} is not an integer")
+        # Any int-like (__index__: numpy integers, 0-d arrays), as array('Q') on the fast path
+        # takes them; never a bool. The type's name, not the key's repr, in the message: a
+        # repr may be huge, or raise (a poison pill: the flush would put its chunk back
+        # forever).
+        try:
+            if type(k) is bool:
+                raise TypeError
+            k = operator.index(k)
+        except TypeError:
+            problem = problem or TypeError(f"a key of type {type(k).__name__} is not an integer")
             continue
-        k = int(k)
         if not _I64_MIN <= k < _U64_END:
-            problem = problem or OverflowError(f"key {k} does not fit in 64 bits")
+            problem = problem or OverflowError(f"a key of {k.bit_length()} bits does not fit in 64")
             continue
         out.append(k - _U64_END if k >= 1 << 63 else k)
     return np.array(out, dtype=np.int64), problem
@@ -190,9 +198,11 @@ def _key_words(flat: list[Any]) -> array[int] | None:
     if accel is not None:
         try:
             words: array[int] = accel.words(flat)
-        except (TypeError, OverflowError):
+            return words
+        except OverflowError:
             return None
-        return words
+        except TypeError:
+            pass  # an int-like object (__index__: a 0-d array, say): the conversions below
     if any(type(k) is bool for k in flat):
         return None
     try:
@@ -350,6 +360,12 @@ class Hook:
             self._append((items, meta))
 
     def _reject(self, exc: Exception, group: object = 0, medium: object = None) -> None:
+        try:
+            self._count_rejected(exc, group, medium)
+        except Exception:  # a repr that raises: stored()/removed() must not raise anyway
+            self._problem("bad_argument", type(exc).__name__)
+
+    def _count_rejected(self, exc: Exception, group: object, medium: object) -> None:
         if isinstance(exc, KeyError):
             if medium is not None and medium not in self._mediums:
                 self._problem("bad_medium", f"medium {medium!r} not in {self._mediums}")

@@ -341,11 +341,11 @@ static PyObject *words(PyObject *self, PyObject *list) {
         return NULL;
     }
     uint64_t *dst = v.buf;
-    int ok = v.len == 8 * k;
-    for (Py_ssize_t i = 0; ok && i < k; i++) {
+    int ok = 1;
+    for (Py_ssize_t i = 0; v.len == 8 * k && i < k; i++) {
         PyObject *o = PyList_GET_ITEM(list, i);
-        if (!PyLong_CheckExact(o)) {
-            PyErr_Format(PyExc_TypeError, "key %R is not an integer", o);
+        if (!PyLong_CheckExact(o)) { /* no repr of the key: it may be huge, or raise */
+            PyErr_Format(PyExc_TypeError, "key %zd of the list is not an int", i);
             ok = 0;
             break;
         }
@@ -355,7 +355,7 @@ static PyObject *words(PyObject *self, PyObject *list) {
             const long long sx = PyLong_AsLongLong(o);
             if ((sx == -1 && PyErr_Occurred()) || sx >= 0) {
                 PyErr_Clear();
-                PyErr_Format(PyExc_OverflowError, "key %R does not fit in 64 bits", o);
+                PyErr_Format(PyExc_OverflowError, "key %zd of the list does not fit in 64 bits", i);
                 ok = 0;
                 break;
             }
@@ -364,6 +364,10 @@ static PyObject *words(PyObject *self, PyObject *list) {
         dst[i] = x;
     }
     PyBuffer_Release(&v);
+    if (ok && v.len != 8 * k) {
+        PyErr_SetString(PyExc_SystemError, "words: array('Q') items are not 8 bytes");
+        ok = 0;
+    }
     if (!ok) {
         Py_DECREF(arr);
         return NULL;

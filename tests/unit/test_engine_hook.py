@@ -351,6 +351,36 @@ def test_hook_bad_key_inside_a_list_costs_only_itself(ring_name: str) -> None:
     hook.close()
 
 
+def test_hook_a_key_whose_repr_fails_costs_only_itself(ring_name: str) -> None:
+    # Review: the messages repr'd the bad key; an int over 4 300 digits cannot be repr'd
+    # (ValueError), so a list lost its good keys, and a tuple (checked at the flush) made
+    # every flush fail and put its chunk back: nothing was published again.
+    class BadRepr:
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+
+    class Index:
+        def __index__(self) -> int:
+            return 9
+
+    hook = _attach(ring_name, start_flusher=False)
+    reader = RingReader(Segment(ring_name))
+    hook.stored([1, 2, 10**5000])
+    hook.stored((3, 10**5000))
+    hook.stored([4, BadRepr()])
+    hook.stored([5, Index()])  # int-like: a key, as array('Q') takes it
+    hook.stored(6, group=BadRepr())  # type: ignore[arg-type]
+    hook.flush()
+    hook.stored([7])
+    hook.flush()
+    assert [int(k) for k in reader.read().records[:, L.C_KEY]] == [1, 2, 3, 4, 5, 9, 7]
+    problems = hook.stats()["problems"]
+    assert problems.get("bad_key") == 3 and "flush_failed" not in problems
+    assert hook.stats()["staged"] == 0
+    reader.close()
+    hook.close()
+
+
 def test_hook_a_bool_is_never_a_key_alone_or_in_a_list(ring_name: str) -> None:
     # One rule (it used to pass as 0/1 inside a list of good keys, and be refused alone or
     # beside a bad key): refused, counted, costing only itself; np.int64 items are keys.
