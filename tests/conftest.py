@@ -33,3 +33,22 @@ def accel_backend(request: pytest.FixtureRequest) -> Iterator[str]:
         yield request.param
     finally:
         compiled.accel = built
+
+
+@pytest.fixture(scope="session", autouse=True)
+def identity_lock_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Sidecars started by tests (in process, or as children inheriting the environment) keep
+    their one-per-identity flock files in a temporary directory, not /dev/shm: the files stay
+    after the process by design (unlinking a flock file races its next owner), and each test
+    reports under an identity of its own, so /dev/shm collected one file per test run."""
+    path = str(tmp_path_factory.mktemp("identity-locks"))
+    key = "KV_CACHE_EVENT_IDENTITY_LOCK_DIR"
+    old = os.environ.get(key)
+    os.environ[key] = path
+    try:
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old

@@ -200,6 +200,9 @@ class Harness:
     # ---- sidecar ----------------------------------------------------------------------------
     def sidecar_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KV_CACHE_EVENT_")}
+        lock_dir = os.environ.get("KV_CACHE_EVENT_IDENTITY_LOCK_DIR")  # tests/conftest.py
+        if lock_dir:
+            env["KV_CACHE_EVENT_IDENTITY_LOCK_DIR"] = lock_dir
         env.update(
             {
                 "KV_CACHE_EVENT_MANAGER_ENDPOINT": f"http://127.0.0.1:{self.port}",
