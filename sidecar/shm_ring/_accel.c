@@ -172,6 +172,23 @@ e1:
 #define W_ATTEMPTED 12
 #define HEADER_WORDS 512
 
+/* An exact int key in [-2^63, 2^64) as its u64 word (KVCM's signed bit pattern: a negative
+ * key wraps): 1, or 0 with no exception set if out of range. */
+static int key_word(PyObject *o, uint64_t *out) {
+    uint64_t x = PyLong_AsUnsignedLongLong(o);
+    if (x == (uint64_t)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        const long long sx = PyLong_AsLongLong(o);
+        if ((sx == -1 && PyErr_Occurred()) || sx >= 0) {
+            PyErr_Clear();
+            return 0;
+        }
+        x = (uint64_t)sx;
+    }
+    *out = x;
+    return 1;
+}
+
 /* array.array: put_runs takes exactly its instances (typecode 'Q'), as writer.py's form does. */
 static PyTypeObject *array_type = NULL;
 
@@ -235,18 +252,10 @@ static PyObject *put_runs(PyObject *self, PyObject *const *args, Py_ssize_t narg
         }
         Py_buffer *v = &views[got];
         if (PyLong_CheckExact(kw)) { /* one key staged alone (not a bool: not exact) */
-            uint64_t x = PyLong_AsUnsignedLongLong(kw);
-            if (x == (uint64_t)-1 && PyErr_Occurred()) {
-                PyErr_Clear();
-                const long long sx = PyLong_AsLongLong(kw); /* KVCM's signed spelling */
-                if ((sx == -1 && PyErr_Occurred()) || sx >= 0) {
-                    PyErr_Clear();
-                    bad = 1;
-                    break;
-                }
-                x = (uint64_t)sx;
+            if (!key_word(kw, &keys[got])) {
+                bad = 1;
+                break;
             }
-            keys[got] = x;
             v->obj = NULL; /* nothing to release */
             v->buf = &keys[got];
             v->len = 8;
@@ -349,19 +358,11 @@ static PyObject *words(PyObject *self, PyObject *list) {
             ok = 0;
             break;
         }
-        uint64_t x = PyLong_AsUnsignedLongLong(o);
-        if (x == (uint64_t)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            const long long sx = PyLong_AsLongLong(o);
-            if ((sx == -1 && PyErr_Occurred()) || sx >= 0) {
-                PyErr_Clear();
-                PyErr_Format(PyExc_OverflowError, "key %zd of the list does not fit in 64 bits", i);
-                ok = 0;
-                break;
-            }
-            x = (uint64_t)sx;
+        if (!key_word(o, &dst[i])) {
+            PyErr_Format(PyExc_OverflowError, "key %zd of the list does not fit in 64 bits", i);
+            ok = 0;
+            break;
         }
-        dst[i] = x;
     }
     PyBuffer_Release(&v);
     if (ok && v.len != 8 * k) {
@@ -387,19 +388,17 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_accel", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__accel(void) {
-    if (word_array == NULL) {
-        PyObject *array = PyImport_ImportModule("array");
-        if (array == NULL) return NULL;
-        word_array = PyObject_CallMethod(array, "array", "s[i]", "Q", 0);
-        Py_DECREF(array);
-        if (word_array == NULL) return NULL;
-    }
-    if (array_type == NULL) {
+    if (array_type == NULL) { /* array.array, and array('Q', [0]) to repeat */
         PyObject *array = PyImport_ImportModule("array");
         if (array == NULL) return NULL;
         array_type = (PyTypeObject *)PyObject_GetAttrString(array, "array");
+        word_array = array_type ? PyObject_CallFunction((PyObject *)array_type, "s[i]", "Q", 0)
+                                : NULL;
         Py_DECREF(array);
-        if (array_type == NULL) return NULL;
+        if (word_array == NULL) {
+            Py_CLEAR(array_type);
+            return NULL;
+        }
     }
     PyObject *mod = PyModule_Create(&module);
     if (mod == NULL) return NULL;
