@@ -75,11 +75,11 @@ class _FlushToken:
     that met an engine flushing back to back spin: 3x the CPU per unpaced flush.)
     """
 
-    __slots__ = ("_gate", "give", "take", "waiting")
+    __slots__ = ("_gate", "give", "slot", "take", "waiting")
     WAIT_S = 0.005
 
     def __init__(self) -> None:
-        slot = [True]
+        self.slot = slot = [True]  # (the C flush looks at it: one item = free)
         self.take = slot.pop
         self.give = slot.append
         self.waiting = False
@@ -107,6 +107,26 @@ class _FlushToken:
         self.give(True)
         if self.waiting:
             self.woken()
+
+
+# What the C flush (_accel.Publisher) leaves to Python, as flag bits (_accel.AFTER_*).
+_AFTER_RING, _AFTER_POST, _AFTER_FOLD = 1, 2, 4
+
+
+class _FlushState:
+    """What the C flush (_accel.Publisher) shares with the Python code, for a hook without it:
+    the same attributes, and every flush is the Python one."""
+
+    __slots__ = ("busy", "fast", "flushes", "fold_at", "fold_post_at", "queue")
+
+    def __init__(self) -> None:
+        self.queue: Any = None
+        self.fast = 0
+        self.flushes = self.busy = 0
+        self.fold_post_at = self.fold_at = _NEVER
+
+    def release(self) -> None:
+        pass
 
 
 class _RateLimitedLog:
@@ -235,7 +255,7 @@ class Hook:
         self._seg = segment
         self._writer = RingWriter(segment, descriptor=descriptor.to_json())
         self._snap = SnapshotWriter(segment)
-        self._resident: ResidentSet | None = self._new_resident(start_flusher)
+        self._resident: ResidentSet | None = None
         self._provider: SnapshotProvider | None = None
         self._staged: list[tuple[Any, int]] = []
         self._append = self._staged.append
@@ -274,9 +294,25 @@ class Hook:
         self._next_stamp = 0.0
         self._turns = 0
         self._bell = EngineBell(segment.name) if start_flusher else None
+        # The engine's flush() is the C one (one call, no Python frame) when the compiled
+        # module has it: it does the usual flush and leaves the rest to this class's flush().
+        self._pub: Any = _FlushState()
+        accel = compiled.accel
+        if start_flusher and accel is not None and hasattr(accel, "Publisher"):
+            self._pub = accel.Publisher(
+                self._staged,
+                self._flush_lock.slot,
+                segment.slot_words,
+                segment.hdr,
+                self._writer.head_cache,
+                self.flush,
+                self._after_flush,
+            )
+            object.__setattr__(self, "flush", self._pub.flush)
+        self._set_resident(self._new_resident(start_flusher))
         # Queued resident records at which a flush posts the flusher to fold (once, until it
         # has): the fold runs in the flusher, never in the engine's flush.
-        self._fold_post_at = resident.FOLD_AT if start_flusher else _NEVER
+        self._pub.fold_post_at = resident.FOLD_AT if start_flusher else _NEVER
         if start_flusher:
             self._arm()
             self._thread = threading.Thread(
@@ -380,6 +416,8 @@ class Hook:
 
         By default it never waits: if another thread is flushing, it returns 0 at once and that
         flush (or the next tick) publishes the records. `wait=True` is for shutdown and tests.
+        With the compiled module a hook's `flush` is _accel.Publisher's, which does the usual
+        flush in one C call and calls this one for everything else.
         """
         try:
             self._take()
@@ -423,8 +461,8 @@ class Hook:
                 accepted, total = step
                 if rs is not None:
                     rs.apply_runs(chunk, total)  # accepted or dropped: see _publish_chunk
-            if rs is not None and rs.queued >= self._fold_post_at:
-                self._fold_post_at = _NEVER  # until the flusher has folded
+            if rs is not None and rs.queued >= self._pub.fold_post_at:
+                self._pub.fold_post_at = _NEVER  # until the flusher has folded
                 if self._bell is not None:
                     self._bell.post()
             return accepted
@@ -525,12 +563,17 @@ class Hook:
         """
         self._provider = provider
         if provider is not None:
-            self._resident = None
+            self._set_resident(None)
         elif self._resident is None:
             # The provider knew the cache; the hook saw its transitions but kept no record, so a
             # new resident set starts empty and a resync would miss keys stored before now.
             self._problem("provider_removed", "the hook's own record starts empty now")
-            self._resident = self._new_resident(self._thread is not None)
+            self._set_resident(self._new_resident(self._thread is not None))
+
+    def _set_resident(self, rs: ResidentSet | None) -> None:
+        self._resident = rs
+        self._pub.queue = rs.queue if rs is not None else None  # the C flush appends to it
+        self._pub.fold_at = (rs.fold_at or resident.FOLD_AT) if rs is not None else _NEVER
 
     @staticmethod
     def _new_resident(threaded: bool) -> ResidentSet:
@@ -570,6 +613,28 @@ class Hook:
         if req:
             self._answer_snapshot(req)
 
+    def _after_flush(self, flags: int) -> None:
+        """What a C flush leaves to Python (_AFTER_* bits; rare): ring the reader's doorbell,
+        post the flusher to fold, or fold now (the flusher fell far behind). Never raises."""
+        try:
+            if flags & _AFTER_RING:
+                self._writer.ring_if_idle()
+            if flags & _AFTER_POST and self._bell is not None:
+                self._bell.post()
+            if flags & _AFTER_FOLD and self._resident is not None:
+                try:
+                    self._take()
+                except IndexError:
+                    return  # the flusher holds the token: it folds (never wait for it)
+                try:
+                    self._resident.fold()
+                finally:
+                    self._give(True)
+                    if self._flush_lock.waiting:
+                        self._flush_lock.woken()
+        except Exception as exc:
+            self._problem("flush_failed", repr(exc))
+
     # ---- the flusher thread ----------------------------------------------------------------
     def _arm(self) -> None:
         """Make the next staging post the bell (the flusher is about to sleep until the stamp)."""
@@ -587,9 +652,9 @@ class Hook:
             posted = self._bell.wait(sleep) if self._bell is not None else False
             if self._stopping:
                 return
-            busy = self._flush_busy
+            busy = self._flush_busy + self._pub.busy
             sleep = self._flusher_turn(posted, time.monotonic())
-            if self._flush_busy != busy:
+            if self._flush_busy + self._pub.busy != busy:
                 sleep = 0.0  # an engine flush found us holding the lock: publish its records now
 
     def _flusher_turn(self, posted: bool, now: float) -> float:
@@ -603,7 +668,7 @@ class Hook:
                 if self._closed:
                     return STAMP_S
                 self._turns += 1
-                engine = self._flushes - self._own_flushes
+                engine = self._flushes + self._pub.flushes - self._own_flushes
                 engine_flushed = engine != self._engine_flushes_seen
                 self._engine_flushes_seen = engine
                 wait_for_engine = self._mode == _Mode.QUIET and posted and bool(self._staged)
@@ -622,7 +687,7 @@ class Hook:
                 rs = self._resident
                 if rs is not None and rs.queued and (stamp or rs.queued >= resident.FOLD_AT):
                     rs.fold()
-                self._fold_post_at = resident.FOLD_AT
+                self._pub.fold_post_at = resident.FOLD_AT
                 if wait_for_engine and not published:
                     self._mode = _Mode.WATCH
                     return self._delay_s
@@ -653,8 +718,8 @@ class Hook:
             "staged": len(self._staged),
             "last_seq": w.last_seq,
             "dropped": w.dropped,
-            "flushes": self._flushes,
-            "flush_busy": self._flush_busy,
+            "flushes": self._flushes + self._pub.flushes,
+            "flush_busy": self._flush_busy + self._pub.busy,
             "flusher_alive": self._thread is not None and self._thread.is_alive(),
             "flusher_mode": self._mode if self._bell is not None else None,
             "flusher_wakeups": self._turns,
@@ -671,6 +736,7 @@ class Hook:
             return
         try:
             self._stopping = True
+            self._pub.fast = 0  # from here on every flush is the Python one (it sees _closed)
             if self._bell is not None:
                 self._bell.post()
             if self._thread is not None and self._thread is not threading.current_thread():
@@ -683,6 +749,7 @@ class Hook:
                 self._closed = True
                 self._writer.close()
                 self._snap.close()
+                self._pub.release()  # its views of the ring, before the segment unmaps
                 self._seg.close()
                 if self._bell is not None:
                     self._bell.close()

@@ -41,6 +41,24 @@ def _bits(pos: np.ndarray, metas: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
     return pos, np.where(kinds == KIND_STORED, bits, 0), np.where(kinds == KIND_REMOVED, bits, 0)
 
 
+class RunQueue:
+    """Runs applied but not yet folded: `items`, (keys, meta) in call order, holding `n`
+    records. _accel.RunQueue is its twin in C, the one the hook's C flush (_accel.Publisher)
+    appends an engine step's runs to without a Python call."""
+
+    __slots__ = ("items", "n")
+
+    def __init__(self) -> None:
+        self.items: list[tuple[Any, Any]] = []
+        self.n = 0
+
+
+def _run_queue() -> RunQueue:
+    accel = compiled.accel
+    q: RunQueue = accel.RunQueue() if accel is not None else RunQueue()
+    return q
+
+
 class ResidentSet:
     """(medium, key) -> group mask: per medium, dense (key, mask) columns behind a hash index.
 
@@ -56,8 +74,7 @@ class ResidentSet:
         # word array, metas one meta for the whole run (an engine step's list) or a buffer of
         # one per key. Joined and converted at the fold, off the engine's step: a numpy call per
         # flush costs far more than the conversion of a whole fold.
-        self._queue: list[tuple[Any, Any]] = []
-        self._queued = 0
+        self.queue = _run_queue()
         self.fold_at: int | None = None  # None: the module's FOLD_AT
 
     def _table(self) -> KeyTable:
@@ -76,7 +93,7 @@ class ResidentSet:
     @property
     def queued(self) -> int:
         """Records applied but not yet folded."""
-        return self._queued
+        return self.queue.n
 
     def apply(self, keys: np.ndarray, metas: np.ndarray, *, copy: bool = True) -> None:
         """Queue records (in call order). `copy=False` when the caller hands over fresh arrays."""
@@ -96,15 +113,17 @@ class ResidentSet:
     def apply_runs(self, runs: list[tuple[array[int] | int, int]], n: int) -> None:
         """apply() for (u64 word array or one int key, one meta) runs holding n records;
         takes ownership."""
-        self._queue += runs
-        self._queued += n
-        if self._queued >= (self.fold_at or FOLD_AT):
+        q = self.queue
+        q.items += runs
+        q.n += n
+        if q.n >= (self.fold_at or FOLD_AT):
             self._fold()
 
     def _enqueue(self, keys: Any, metas: Any, n: int) -> None:
-        self._queue.append((keys, metas))
-        self._queued += n
-        if self._queued >= (self.fold_at or FOLD_AT):
+        q = self.queue
+        q.items.append((keys, metas))
+        q.n += n
+        if q.n >= (self.fold_at or FOLD_AT):
             self._fold()
 
     def fold(self) -> None:
@@ -118,9 +137,9 @@ class ResidentSet:
             self.apply(np.array(keys, np.int64), np.array([m for _, m in pairs], np.uint64))
 
     def _fold(self) -> None:
-        if not self._queued:
+        if not self.queue.n:
             return
-        q = self._queue
+        q = self.queue.items
         # A run's keys: an int64 ndarray, a 'Q' array, or one int key (a single-key call).
         keys = np.frombuffer(
             b"".join([k if type(k) is not int else _word(k) for k, _ in q]), np.int64
@@ -151,7 +170,7 @@ class ResidentSet:
         self._fold_segment(keys[start:], metas[start:], one_medium)
         # Only now: a fold that raised (MemoryError while a table grows) keeps the queue, and
         # folding it again is harmless (the same ops in the same order end in the same state).
-        self._queue, self._queued = [], 0
+        self.queue.items, self.queue.n = [], 0
 
     def _fold_segment(self, keys: np.ndarray, metas: np.ndarray, one_medium: bool = False) -> None:
         if not len(keys):

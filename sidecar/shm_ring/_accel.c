@@ -15,6 +15,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
@@ -22,7 +23,7 @@
 /* Raised with every change to a signature or behaviour here; compiled.py uses the module only
  * if it equals its own ACCEL_ABI, so a stale in-place build is never called with the wrong
  * arguments (it falls back to the numpy / Python forms instead). */
-#define ACCEL_ABI 5
+#define ACCEL_ABI 6
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 /* Must equal sidecar/shm_ring/layout.py's KIND_STORED / KIND_REMOVED (a test compares). */
 #define KIND_STORED 1
@@ -167,9 +168,12 @@ e1:
 }
 
 /* Must equal sidecar/shm_ring/layout.py's header words (a test compares). */
+#define W_CAPACITY 2
 #define W_TAIL 8
 #define W_LAST_SEQ 10
 #define W_ATTEMPTED 12
+#define W_HEAD 16
+#define W_READER_IDLE 21
 #define HEADER_WORDS 512
 
 /* An exact int key in [-2^63, 2^64) as its u64 word (KVCM's signed bit pattern: a negative
@@ -192,16 +196,115 @@ static int key_word(PyObject *o, uint64_t *out) {
 /* array.array: put_runs takes exactly its instances (typecode 'Q'), as writer.py's form does. */
 static PyTypeObject *array_type = NULL;
 
+/* A staged list's runs, as put_runs and Publisher.flush read them: views[i] over run i's keys
+ * (its 'Q' array, or keys[i] holding a single int key), metas[i] its meta. Up to 8 runs (an
+ * engine step's usual 2) in the struct itself: no allocation. */
+typedef struct {
+    Py_buffer small_views[8], *views;
+    uint64_t small_metas[8], small_keys[8], *metas, *keys;
+    Py_ssize_t got; /* views held */
+} Runs;
+
+static void runs_release(Runs *r) {
+    for (Py_ssize_t i = 0; i < r->got; i++) {
+        if (r->views[i].obj != NULL) PyBuffer_Release(&r->views[i]);
+    }
+    r->got = 0;
+    if (r->views != r->small_views) {
+        PyMem_Free(r->views);
+        PyMem_Free(r->metas);
+        PyMem_Free(r->keys);
+        r->views = r->small_views;
+    }
+}
+
+/* The records in list[0:nr], if every item is (an array('Q') or an exact int key in
+ * [-2^63, 2^64), an exact int meta); -1 if one is something else (no exception set); -2 with
+ * an exception set if memory ran out. runs_release() after either. */
+static Py_ssize_t runs_collect(Runs *r, PyObject *list, Py_ssize_t nr) {
+    r->views = r->small_views;
+    r->metas = r->small_metas;
+    r->keys = r->small_keys;
+    r->got = 0;
+    if (nr > 8) {
+        r->views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)nr);
+        r->metas = PyMem_Malloc(sizeof(uint64_t) * (size_t)nr);
+        r->keys = PyMem_Malloc(sizeof(uint64_t) * (size_t)nr);
+        if (r->views == NULL || r->metas == NULL || r->keys == NULL) {
+            PyMem_Free(r->views);
+            PyMem_Free(r->metas);
+            PyMem_Free(r->keys);
+            r->views = r->small_views;
+            PyErr_NoMemory();
+            return -2;
+        }
+    }
+    Py_ssize_t total = 0;
+    for (; r->got < nr; r->got++) {
+        PyObject *it = PyList_GET_ITEM(list, r->got);
+        if (!PyTuple_CheckExact(it) || PyTuple_GET_SIZE(it) != 2) return -1;
+        PyObject *kw = PyTuple_GET_ITEM(it, 0), *mo = PyTuple_GET_ITEM(it, 1);
+        if (!PyLong_CheckExact(mo)) return -1;
+        const uint64_t meta = PyLong_AsUnsignedLongLong(mo);
+        if (meta == (uint64_t)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return -1;
+        }
+        Py_buffer *v = &r->views[r->got];
+        if (PyLong_CheckExact(kw)) { /* one key staged alone (not a bool: not exact) */
+            if (!key_word(kw, &r->keys[r->got])) return -1;
+            v->obj = NULL; /* nothing to release */
+            v->buf = &r->keys[r->got];
+            v->len = 8;
+        } else if (!Py_IS_TYPE(kw, array_type)) { /* as writer.py's form */
+            return -1;
+        } else if (PyObject_GetBuffer(kw, v, PyBUF_CONTIG_RO | PyBUF_FORMAT) < 0) {
+            PyErr_Clear();
+            return -1;
+        } else if (v->itemsize != 8 || v->format == NULL || strcmp(v->format, "Q") != 0) {
+            PyBuffer_Release(v);
+            return -1;
+        }
+        r->metas[r->got] = meta;
+        total += v->len / 8;
+    }
+    return total;
+}
+
+/* Record i of the runs to slot start + i of `words` (the ring's slots as u64 words: seq, key,
+ * meta, parent) with seq = seq + 1 + i, the seq words after the payload (a slot is valid once
+ * its seq matches), then the header: attempted and last seq, and last the tail (the publishing
+ * store). The caller has ruled out a wrap and a full ring. x86-64 keeps stores in order; the
+ * fences keep the compiler from reordering or merging them. */
+static void runs_store(const Runs *r, uint64_t *words, volatile uint64_t *hw, Py_ssize_t start,
+                       Py_ssize_t total, uint64_t seq, uint64_t attempted, uint64_t tail) {
+    uint64_t *const base = words + 4 * start;
+    uint64_t *sw = base;
+    for (Py_ssize_t i = 0; i < r->got; i++) {
+        const uint64_t *kw = r->views[i].buf, meta = r->metas[i];
+        const Py_ssize_t k = r->views[i].len / 8;
+        for (Py_ssize_t j = 0; j < k; j++, sw += 4) {
+            sw[1] = kw[j];
+            sw[2] = meta;
+            sw[3] = 0;
+        }
+    }
+    atomic_signal_fence(memory_order_seq_cst);
+    for (Py_ssize_t j = 0; j < total; j++) base[4 * j] = seq + 1 + (uint64_t)j;
+    atomic_signal_fence(memory_order_seq_cst);
+    hw[W_ATTEMPTED] = attempted + (uint64_t)total;
+    hw[W_LAST_SEQ] = seq + (uint64_t)total;
+    atomic_signal_fence(memory_order_seq_cst);
+    hw[W_TAIL] = tail + (uint64_t)total;
+}
+
 /* put_runs(runs, words, hdr, start, room, seq, attempted, tail) -> records written, -1 or
  * -2 - records. runs: the hook's staged list of (keys, meta int), keys an array('Q') or one
  * int key in [-2^63, 2^64) (a negative one, KVCM's signed spelling, wraps). If every item is
  * one of those and their records fit in `room` slots from slot `start` (the caller rules out a
- * wrap and a full ring), record i goes to slot start + i of `words` (the ring's slots as u64
- * words: seq, key, meta, parent) with seq = seq + 1 + i, the seq words after the payload (a
- * slot is valid once its seq matches), then the header: attempted and last seq, and last the
- * tail (the publishing store). -1: an item is something else; -2 - n: n records do not fit;
- * in both cases nothing is written. METH_FASTCALL: argument tuples and format parsing cost
- * microseconds on the caches an engine's step leaves cold. */
+ * wrap and a full ring), they are stored as runs_store() says. -1: an item is something else;
+ * -2 - n: n records do not fit; in both cases nothing is written. METH_FASTCALL: argument
+ * tuples and format parsing cost microseconds on the caches an engine's step leaves cold. */
 static PyObject *put_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 8 || !PyList_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError,
@@ -218,64 +321,12 @@ static PyObject *put_runs(PyObject *self, PyObject *const *args, Py_ssize_t narg
         word[i] = PyLong_AsUnsignedLongLong(args[5 + i]);
         if (word[i] == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     }
-    const unsigned long long seq = word[0], attempted = word[1], tail = word[2];
-    const Py_ssize_t nr = PyList_GET_SIZE(runs);
-    Py_buffer small_views[8];
-    uint64_t small_metas[8], small_keys[8];
-    Py_buffer *views = small_views;
-    uint64_t *metas = small_metas, *keys = small_keys; /* keys: of single-key items */
-    if (nr > 8) {
-        views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)nr);
-        metas = PyMem_Malloc(sizeof(uint64_t) * (size_t)nr);
-        keys = PyMem_Malloc(sizeof(uint64_t) * (size_t)nr);
-        if (views == NULL || metas == NULL || keys == NULL) {
-            PyMem_Free(views);
-            PyMem_Free(metas);
-            PyMem_Free(keys);
-            return PyErr_NoMemory();
-        }
-    }
-    Py_ssize_t got = 0, total = 0;
-    int bad = 0;
-    for (; got < nr; got++) {
-        PyObject *it = PyList_GET_ITEM(runs, got);
-        if (!PyTuple_CheckExact(it) || PyTuple_GET_SIZE(it) != 2) {
-            bad = 1;
-            break;
-        }
-        PyObject *kw = PyTuple_GET_ITEM(it, 0), *mo = PyTuple_GET_ITEM(it, 1);
-        const uint64_t meta = PyLong_CheckExact(mo) ? PyLong_AsUnsignedLongLong(mo) : 0;
-        if (!PyLong_CheckExact(mo) || (meta == (uint64_t)-1 && PyErr_Occurred())) {
-            PyErr_Clear();
-            bad = 1;
-            break;
-        }
-        Py_buffer *v = &views[got];
-        if (PyLong_CheckExact(kw)) { /* one key staged alone (not a bool: not exact) */
-            if (!key_word(kw, &keys[got])) {
-                bad = 1;
-                break;
-            }
-            v->obj = NULL; /* nothing to release */
-            v->buf = &keys[got];
-            v->len = 8;
-        } else if (!Py_IS_TYPE(kw, array_type)) { /* as writer.py's form */
-            bad = 1;
-            break;
-        } else if (PyObject_GetBuffer(kw, v, PyBUF_CONTIG_RO | PyBUF_FORMAT) < 0) {
-            PyErr_Clear();
-            bad = 1;
-            break;
-        } else if (v->itemsize != 8 || v->format == NULL || strcmp(v->format, "Q") != 0) {
-            PyBuffer_Release(v);
-            bad = 1;
-            break;
-        }
-        metas[got] = meta;
-        total += v->len / 8;
-    }
+    Runs r;
+    const Py_ssize_t total = runs_collect(&r, runs, PyList_GET_SIZE(runs));
     PyObject *result = NULL;
-    if (bad) {
+    if (total == -2) {
+        /* no memory: the exception is set */
+    } else if (total < 0) {
         result = PyLong_FromLong(-1);
     } else if (total > room || start < 0) {
         result = PyLong_FromSsize_t(-2 - total);
@@ -287,28 +338,7 @@ static PyObject *put_runs(PyObject *self, PyObject *const *args, Py_ssize_t narg
                     (start + total) * 4 > w.len / 8) {
                     PyErr_SetString(PyExc_ValueError, "put_runs: the slots do not fit the ring");
                 } else {
-                    uint64_t *const base = (uint64_t *)w.buf + 4 * start;
-                    uint64_t *sw = base;
-                    for (Py_ssize_t r = 0; r < nr; r++) {
-                        const uint64_t *kw = views[r].buf, meta = metas[r];
-                        const Py_ssize_t k = views[r].len / 8;
-                        for (Py_ssize_t i = 0; i < k; i++, sw += 4) {
-                            sw[1] = kw[i];
-                            sw[2] = meta;
-                            sw[3] = 0;
-                        }
-                    }
-                    /* Stores in this order (x86-64 keeps them in order; the fences keep the
-                     * compiler from reordering or merging them): payload, seq words, header,
-                     * tail last. */
-                    atomic_signal_fence(memory_order_seq_cst);
-                    for (Py_ssize_t j = 0; j < total; j++) base[4 * j] = seq + 1 + (uint64_t)j;
-                    volatile uint64_t *hw = h.buf;
-                    atomic_signal_fence(memory_order_seq_cst);
-                    hw[W_ATTEMPTED] = attempted + (uint64_t)total;
-                    hw[W_LAST_SEQ] = seq + (uint64_t)total;
-                    atomic_signal_fence(memory_order_seq_cst);
-                    hw[W_TAIL] = tail + (uint64_t)total;
+                    runs_store(&r, w.buf, h.buf, start, total, word[0], word[1], word[2]);
                     result = PyLong_FromSsize_t(total);
                 }
                 PyBuffer_Release(&h);
@@ -316,16 +346,288 @@ static PyObject *put_runs(PyObject *self, PyObject *const *args, Py_ssize_t narg
             PyBuffer_Release(&w);
         }
     }
-    for (Py_ssize_t r = 0; r < got; r++) {
-        if (views[r].obj != NULL) PyBuffer_Release(&views[r]);
-    }
-    if (views != small_views) {
-        PyMem_Free(views);
-        PyMem_Free(metas);
-        PyMem_Free(keys);
-    }
+    runs_release(&r);
     return result;
 }
+
+/* ---- the engine's flush, whole, in one C call ---------------------------------------------
+ * After an engine step's sleep this VM runs everything on cold caches: each Python frame,
+ * attribute and object a flush touches costs about a microsecond (bench/README.md,
+ * "hotpath"), and the Python flush touched ~100 of them. Publisher.flush keeps what the
+ * usual flush needs in one struct and does the whole of it, the resident set's queue
+ * included; anything unusual (arguments, a wrap, a full ring, a key that is not a word, a
+ * closed hook) goes to the Python flush (`slow`), which handles every case.
+ *
+ * It never takes the hook's flush token: it only looks that nobody holds it, then runs to the
+ * end without running Python code or allocating a GC-tracked object (either could let another
+ * thread run: CPython 3.11 collects garbage inside an allocation), so under the GIL nothing
+ * else publishes meanwhile. The flusher and the Python flush take the token; when one holds
+ * it, this flush counts `busy` and returns 0, as the Python one does. */
+
+/* The resident set's queue (resident.py's RunQueue has the same attributes). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *items; /* list of (keys, meta) runs in call order */
+    Py_ssize_t n;    /* records in them */
+} RunQueue;
+
+static int rq_init(RunQueue *q, PyObject *args, PyObject *kw) {
+    if (!PyArg_ParseTuple(args, ":RunQueue")) return -1;
+    PyObject *items = PyList_New(0);
+    if (items == NULL) return -1;
+    Py_XSETREF(q->items, items);
+    q->n = 0;
+    return 0;
+}
+
+static int rq_traverse(RunQueue *q, visitproc visit, void *arg) {
+    Py_VISIT(q->items);
+    return 0;
+}
+
+static int rq_clear(RunQueue *q) {
+    Py_CLEAR(q->items);
+    return 0;
+}
+
+static void rq_dealloc(RunQueue *q) {
+    PyObject_GC_UnTrack(q);
+    rq_clear(q);
+    Py_TYPE(q)->tp_free((PyObject *)q);
+}
+
+static PyMemberDef rq_members[] = {
+    {"items", T_OBJECT_EX, offsetof(RunQueue, items), 0, "queued (keys, meta) runs"},
+    {"n", T_PYSSIZET, offsetof(RunQueue, n), 0, "records in them"},
+    {NULL},
+};
+
+static PyTypeObject RunQueueType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "sidecar.shm_ring._accel.RunQueue",
+    .tp_basicsize = sizeof(RunQueue),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "RunQueue(): the resident set's queue of runs not yet folded",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)rq_init,
+    .tp_traverse = (traverseproc)rq_traverse,
+    .tp_clear = (inquiry)rq_clear,
+    .tp_dealloc = (destructor)rq_dealloc,
+    .tp_members = rq_members,
+};
+
+/* What a flush leaves to Python (Publisher's `after`), as flag bits. */
+#define AFTER_RING 1 /* the reader sleeps on its doorbell: ring it */
+#define AFTER_POST 2 /* the queue reached fold_post_at (now set to NEVER): post the flusher */
+#define AFTER_FOLD 4 /* the queue reached fold_at: the flusher fell far behind, fold now */
+#define FOLD_NEVER (1LL << 62)
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *staged, *token, *queue, *slow, *after;
+    Py_buffer words, hdr;
+    int held; /* words and hdr are held (until release()) */
+    int fast; /* 0: every flush is the Python one */
+    Py_ssize_t capacity;
+    uint64_t head; /* the reader's cursor as last read: stale, it only under-counts the room */
+    long long flushes, busy, fold_post_at, fold_at;
+} Publisher;
+
+static int pub_traverse(Publisher *p, visitproc visit, void *arg) {
+    Py_VISIT(p->staged);
+    Py_VISIT(p->token);
+    Py_VISIT(p->queue);
+    Py_VISIT(p->slow);
+    Py_VISIT(p->after);
+    return 0;
+}
+
+static void pub_release_buffers(Publisher *p) {
+    if (p->held) {
+        p->held = 0;
+        PyBuffer_Release(&p->hdr);
+        PyBuffer_Release(&p->words);
+    }
+}
+
+static int pub_clear(Publisher *p) {
+    pub_release_buffers(p);
+    Py_CLEAR(p->staged);
+    Py_CLEAR(p->token);
+    Py_CLEAR(p->queue);
+    Py_CLEAR(p->slow);
+    Py_CLEAR(p->after);
+    return 0;
+}
+
+static void pub_dealloc(Publisher *p) {
+    PyObject_GC_UnTrack(p);
+    pub_clear(p);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+/* Publisher(staged, token, words, hdr, head, slow, after): staged and token the hook's lists,
+ * words and hdr the ring's slot and header words (held until release()), head the reader's
+ * cursor as the writer last read it, slow(*args, **kw) the Python flush, after(flags) what a
+ * flush leaves to Python. The producer cursors (tail, last seq, attempted) are the header's
+ * own words: the ring writer's Python paths read them back (writer.py, _sync). */
+static int pub_init(Publisher *p, PyObject *args, PyObject *kw) {
+    PyObject *staged, *token, *words, *hdr, *slow, *after;
+    unsigned long long head;
+    if (!PyArg_ParseTuple(args, "O!O!OOKOO:Publisher", &PyList_Type, &staged, &PyList_Type,
+                          &token, &words, &hdr, &head, &slow, &after))
+        return -1;
+    if (!PyCallable_Check(slow) || !PyCallable_Check(after)) {
+        PyErr_SetString(PyExc_TypeError, "Publisher: slow and after must be callable");
+        return -1;
+    }
+    pub_clear(p);
+    if (PyObject_GetBuffer(words, &p->words, PyBUF_CONTIG) < 0) return -1;
+    if (PyObject_GetBuffer(hdr, &p->hdr, PyBUF_CONTIG) < 0) {
+        PyBuffer_Release(&p->words);
+        return -1;
+    }
+    p->held = 1;
+    const Py_ssize_t cap = p->words.len / 32;
+    if (p->words.itemsize != 8 || p->hdr.itemsize != 8 || p->hdr.len / 8 < HEADER_WORDS ||
+        cap < 1 || (cap & (cap - 1)) || p->words.len != cap * 32 ||
+        ((uint64_t *)p->hdr.buf)[W_CAPACITY] != (uint64_t)cap) {
+        pub_release_buffers(p);
+        PyErr_SetString(PyExc_ValueError, "Publisher: words and hdr are not one ring's");
+        return -1;
+    }
+    p->capacity = cap;
+    p->head = head;
+    Py_INCREF(staged);
+    p->staged = staged;
+    Py_INCREF(token);
+    p->token = token;
+    Py_INCREF(Py_None);
+    p->queue = Py_None;
+    Py_INCREF(slow);
+    p->slow = slow;
+    Py_INCREF(after);
+    p->after = after;
+    p->fast = 1;
+    p->flushes = p->busy = 0;
+    p->fold_post_at = p->fold_at = FOLD_NEVER;
+    return 0;
+}
+
+static PyObject *pub_slow(Publisher *p, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    return PyObject_Vectorcall(p->slow, args, nargsf, kwnames);
+}
+
+/* flush(wait=False) -> records accepted: the hook's flush(). */
+static PyObject *pub_flush(Publisher *p, PyObject *const *args, size_t nargsf,
+                           PyObject *kwnames) {
+    if (PyVectorcall_NARGS(nargsf) || kwnames != NULL || !p->fast || !p->held)
+        return pub_slow(p, args, nargsf, kwnames);
+    if (PyList_GET_SIZE(p->token) != 1) { /* the flusher (or a flush(wait=True)) publishes */
+        p->busy++;
+        return PyLong_FromLong(0);
+    }
+    const Py_ssize_t nr = PyList_GET_SIZE(p->staged);
+    if (nr == 0) return PyLong_FromLong(0);
+    RunQueue *q = NULL;
+    if (p->queue != NULL && p->queue != Py_None) {
+        if (!Py_IS_TYPE(p->queue, &RunQueueType)) return pub_slow(p, args, nargsf, kwnames);
+        q = (RunQueue *)p->queue;
+        if (q->items == NULL || !PyList_CheckExact(q->items))
+            return pub_slow(p, args, nargsf, kwnames);
+    }
+    Runs r;
+    const Py_ssize_t total = runs_collect(&r, p->staged, nr);
+    volatile uint64_t *hw = p->hdr.buf;
+    const uint64_t cap = (uint64_t)p->capacity, tail = hw[W_TAIL];
+    const uint64_t start = tail & (cap - 1);
+    if (total >= 0 && cap - (tail - p->head) < (uint64_t)total) {
+        const uint64_t head = hw[W_HEAD]; /* the cached cursor is stale at worst */
+        if (tail - head <= cap) p->head = head; /* else garbage: keep the cached one */
+    }
+    const uint64_t free = cap - (tail - p->head);
+    if (total < 0 || (uint64_t)total > free || start + (uint64_t)total > cap ||
+        tail - p->head > cap) {
+        runs_release(&r); /* a key that is not a word, no memory, a full ring, a wrap */
+        PyErr_Clear();
+        return pub_slow(p, args, nargsf, kwnames);
+    }
+    /* The resident set first (a failure here changes nothing), then staged, then the ring.
+     * Should removing them from staged fail, the Python flush publishes them again: the same
+     * transitions twice in the same order end in the same state, and seqs stay dense. */
+    const Py_ssize_t queued = q ? PyList_GET_SIZE(q->items) : 0;
+    for (Py_ssize_t i = 0; q && i < nr; i++) {
+        if (PyList_Append(q->items, PyList_GET_ITEM(p->staged, i)) < 0) {
+            PyErr_Clear();
+            if (PyList_SetSlice(q->items, queued, PY_SSIZE_T_MAX, NULL) < 0) PyErr_Clear();
+            runs_release(&r);
+            return pub_slow(p, args, nargsf, kwnames);
+        }
+    }
+    if (PyList_SetSlice(p->staged, 0, nr, NULL) < 0) {
+        PyErr_Clear();
+        runs_release(&r);
+        return pub_slow(p, args, nargsf, kwnames);
+    }
+    runs_store(&r, p->words.buf, hw, (Py_ssize_t)start, total, hw[W_LAST_SEQ], hw[W_ATTEMPTED],
+               tail);
+    runs_release(&r); /* (the staged arrays the resident set does not keep go here) */
+    p->flushes++;
+    int flags = hw[W_READER_IDLE] ? AFTER_RING : 0;
+    if (q) {
+        q->n += total;
+        if (q->n >= p->fold_post_at) {
+            p->fold_post_at = FOLD_NEVER; /* until the flusher has folded */
+            flags |= AFTER_POST;
+        }
+        if (q->n >= p->fold_at) flags |= AFTER_FOLD;
+    }
+    if (flags) { /* Python code from here on: everything above is consistent */
+        PyObject *res = PyObject_CallFunction(p->after, "i", flags);
+        if (res == NULL)
+            PyErr_Clear(); /* after() counts its own failures; the engine never sees one */
+        Py_XDECREF(res);
+    }
+    return PyLong_FromSsize_t(total);
+}
+
+static PyObject *pub_release(Publisher *p, PyObject *unused) {
+    pub_release_buffers(p);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef pub_methods[] = {
+    {"flush", (PyCFunction)(void (*)(void))pub_flush, METH_FASTCALL | METH_KEYWORDS,
+     "flush(wait=False) -> records accepted (the hook's flush)"},
+    {"release", (PyCFunction)pub_release, METH_NOARGS,
+     "let go of the ring's buffers (before the segment closes); later flushes are slow()'s"},
+    {NULL},
+};
+
+static PyMemberDef pub_members[] = {
+    {"queue", T_OBJECT, offsetof(Publisher, queue), 0, "the resident set's RunQueue, or None"},
+    {"fast", T_INT, offsetof(Publisher, fast), 0, "0: every flush is slow()'s"},
+    {"flushes", T_LONGLONG, offsetof(Publisher, flushes), 0, "publishes made here"},
+    {"busy", T_LONGLONG, offsetof(Publisher, busy), 0, "flushes that found the token taken"},
+    {"fold_post_at", T_LONGLONG, offsetof(Publisher, fold_post_at), 0,
+     "queued records at which a flush posts the flusher (then NEVER until reset)"},
+    {"fold_at", T_LONGLONG, offsetof(Publisher, fold_at), 0,
+     "queued records at which a flush asks after() to fold"},
+    {NULL},
+};
+
+static PyTypeObject PublisherType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "sidecar.shm_ring._accel.Publisher",
+    .tp_basicsize = sizeof(Publisher),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Publisher(staged, token, words, hdr, head, slow, after): the hook's flush in C",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)pub_init,
+    .tp_traverse = (traverseproc)pub_traverse,
+    .tp_clear = (inquiry)pub_clear,
+    .tp_dealloc = (destructor)pub_dealloc,
+    .tp_methods = pub_methods,
+    .tp_members = pub_members,
+};
 
 /* array('Q', [0]): `word_array * k` (sq_repeat) makes a k-word array without parsing. */
 static PyObject *word_array = NULL;
@@ -400,14 +702,31 @@ PyMODINIT_FUNC PyInit__accel(void) {
             return NULL;
         }
     }
+    if (PyType_Ready(&RunQueueType) < 0 || PyType_Ready(&PublisherType) < 0) return NULL;
     PyObject *mod = PyModule_Create(&module);
     if (mod == NULL) return NULL;
+    if (PyModule_AddObjectRef(mod, "RunQueue", (PyObject *)&RunQueueType) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
+#ifndef Py_GIL_DISABLED /* Publisher.flush needs the GIL's exclusion (see above) */
+    if (PyModule_AddObjectRef(mod, "Publisher", (PyObject *)&PublisherType) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
+#endif
     if (PyModule_AddIntConstant(mod, "KIND_STORED", KIND_STORED) < 0 ||
         PyModule_AddIntConstant(mod, "KIND_REMOVED", KIND_REMOVED) < 0 ||
         PyModule_AddIntConstant(mod, "W_TAIL", W_TAIL) < 0 ||
         PyModule_AddIntConstant(mod, "W_LAST_SEQ", W_LAST_SEQ) < 0 ||
         PyModule_AddIntConstant(mod, "W_ATTEMPTED", W_ATTEMPTED) < 0 ||
         PyModule_AddIntConstant(mod, "HEADER_WORDS", HEADER_WORDS) < 0 ||
+        PyModule_AddIntConstant(mod, "W_CAPACITY", W_CAPACITY) < 0 ||
+        PyModule_AddIntConstant(mod, "W_HEAD", W_HEAD) < 0 ||
+        PyModule_AddIntConstant(mod, "W_READER_IDLE", W_READER_IDLE) < 0 ||
+        PyModule_AddIntConstant(mod, "AFTER_RING", AFTER_RING) < 0 ||
+        PyModule_AddIntConstant(mod, "AFTER_POST", AFTER_POST) < 0 ||
+        PyModule_AddIntConstant(mod, "AFTER_FOLD", AFTER_FOLD) < 0 ||
         PyModule_AddIntConstant(mod, "ABI", ACCEL_ABI) < 0) {
         Py_DECREF(mod);
         return NULL;

@@ -26,3 +26,36 @@ def put_runs(
     /,
 ) -> int: ...
 def words(keys: list[Any], /) -> array[int]: ...
+
+W_CAPACITY: int
+W_HEAD: int
+W_READER_IDLE: int
+AFTER_RING: int
+AFTER_POST: int
+AFTER_FOLD: int
+
+class RunQueue:
+    items: list[Any]
+    n: int
+    def __init__(self) -> None: ...
+
+class Publisher:  # absent from a free-threaded build (its flush relies on the GIL)
+    queue: RunQueue | None
+    fast: int
+    flushes: int
+    busy: int
+    fold_post_at: int
+    fold_at: int
+    def __init__(
+        self,
+        staged: list[Any],
+        token: list[Any],
+        words: Any,
+        hdr: Any,
+        head: int,
+        slow: Any,
+        after: Any,
+        /,
+    ) -> None: ...
+    def flush(self, wait: bool = False) -> int: ...
+    def release(self) -> None: ...

@@ -66,6 +66,7 @@ class RingWriter:
         self._seq_base = 0  # _seq_block holds the seqs _seq_base + 1 ... _seq_base + SEQ_BLOCK
         self._seq_block = memoryview(array("Q"))
         self._meta_runs: dict[int, memoryview] = {}  # meta -> that word WORDS_MAX times
+        self._closed = False
         if descriptor:
             segment.write_descriptor(descriptor)
         # Publish the new incarnation under the seqlock so the reader never sees a mix of two.
@@ -80,9 +81,22 @@ class RingWriter:
         h[L.W_LIVENESS_NS] = time.monotonic_ns()
         h[L.W_PRODUCER_STATE] = L.PRODUCER_ATTACHED
 
+    def _sync(self) -> None:
+        """The producer cursors from the header's own words, which every publish ends by
+        storing: a flush in C (_accel.Publisher, the hook's) publishes without this object."""
+        if not self._closed:
+            h = self.seg.hdr
+            self._tail, self._seq, self._attempted = h[_W_TAIL], h[_W_LAST_SEQ], h[_W_ATTEMPTED]
+
     @property
     def last_seq(self) -> int:
+        self._sync()
         return self._seq
+
+    @property
+    def head_cache(self) -> int:
+        """The reader's cursor as last read (stale at worst: it only under-counts the room)."""
+        return self._head_cache
 
     @property
     def dropped(self) -> int:
@@ -146,6 +160,7 @@ class RingWriter:
         key) with its meta: (records accepted, records). None: something else was staged,
         nothing is written (the caller takes the general path). The usual case (all fit, no
         wrap) is one C call (_accel.put_runs: slots and header stores); else write_runs()."""
+        self._sync()
         accel = compiled.accel
         if accel is None:
             n = 0
@@ -182,6 +197,7 @@ class RingWriter:
         columns are copied straight into the slots, inline: no list, array or int per record
         and few calls (on a VM whose caches went cold during the engine's step each distinct
         call or object touched costs microseconds)."""
+        self._sync()
         tail = self._tail
         start = tail & self._mask
         if start + n > self.capacity or (
@@ -289,6 +305,7 @@ class RingWriter:
     def _room(self, n: int) -> int:
         """How many of n records to write (drop-newest beyond the free slots); all n count as
         attempted."""
+        self._sync()
         self._attempted += n
         free = self.free_slots(n)
         return n if n <= free else max(free, 0)
@@ -306,10 +323,16 @@ class RingWriter:
         if m:
             self._bell.ring_if_idle(h)
 
+    def ring_if_idle(self) -> None:
+        """Ring the reader's doorbell if it sleeps on it."""
+        self._bell.ring_if_idle(self.seg.hdr)
+
     def stamp(self) -> None:
         self.seg.hdr[L.W_LIVENESS_NS] = time.monotonic_ns()
 
     def close(self) -> None:
+        self._sync()
+        self._closed = True
         h = self.seg.hdr
         if int(h[L.W_BOOT_ID]) == self.boot_id:
             h[L.W_PRODUCER_STATE] = L.PRODUCER_CLOSED

@@ -183,7 +183,7 @@ def test_hook_flush_posts_the_flusher_once_to_fold_and_never_folds_itself(
     h, reader = _driven(ring_name)
     assert h._bell is not None and h._resident is not None
     h._resident.fold_at = hook_mod.FOLD_BEHIND  # as with a flusher thread
-    h._fold_post_at = resident.FOLD_AT
+    h._pub.fold_post_at = resident.FOLD_AT
     h._flusher_turn(False, 0.0)
     h.stored([1])
     h.flush()
