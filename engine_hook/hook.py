@@ -304,7 +304,6 @@ class Hook:
                 self._flush_lock.slot,
                 segment.slot_words,
                 segment.hdr,
-                self._writer.head_cache,
                 self.flush,
                 self._after_flush,
             )
@@ -571,9 +570,10 @@ class Hook:
             self._set_resident(self._new_resident(self._thread is not None))
 
     def _set_resident(self, rs: ResidentSet | None) -> None:
-        self._resident = rs
-        self._pub.queue = rs.queue if rs is not None else None  # the C flush appends to it
+        # The C flush's queue first: a C flush between the two stores feeds the new set.
         self._pub.fold_at = (rs.fold_at or resident.FOLD_AT) if rs is not None else _NEVER
+        self._pub.queue = rs.queue if rs is not None else None
+        self._resident = rs
 
     @staticmethod
     def _new_resident(threaded: bool) -> ResidentSet:

@@ -80,7 +80,7 @@ enum { /* header word indexes (byte offset = 8 * index) */
     KVCM_W_MAGIC = 0, KVCM_W_VERSION_SLOT = 1, KVCM_W_CAPACITY = 2, KVCM_W_HEADER_SIZE = 3,
     KVCM_W_CREATED_NS = 4,
     KVCM_W_TAIL = 8, KVCM_W_DROPPED = 9, KVCM_W_LAST_SEQ = 10, KVCM_W_LIVENESS_NS = 11,
-    KVCM_W_ATTEMPTED = 12, KVCM_W_PRODUCER_STATE = 13,
+    KVCM_W_ATTEMPTED = 12, KVCM_W_PRODUCER_STATE = 13, KVCM_W_HEAD_SEEN = 14,
     KVCM_W_HEAD = 16, KVCM_W_READER_PID = 17, KVCM_W_READER_INCARNATION = 18,
     KVCM_W_READER_LIVENESS_NS = 19, KVCM_W_SNAP_REQ = 20, KVCM_W_READER_IDLE = 21,
     KVCM_W_INC_GEN = 24, KVCM_W_BOOT_ID = 25, KVCM_W_PID = 26, KVCM_W_START_NS = 27,
@@ -1055,6 +1055,9 @@ static inline int kvcm_ring_attach(const kvcm_descriptor *d, kvcm_ring **out) {
     /* A reader cursor outside [tail - capacity, tail] is garbage: take the ring as empty, as
      * the reader does when it starts (it skips to the tail). */
     if (r->tail - r->head_cache > r->cap) r->head_cache = r->tail;
+    /* head_seen: the producer's cached head, in the header as the Python hook keeps it (no
+     * reader looks at it; this producer reads its own copy in r) */
+    KVCM__STORE(&h[KVCM_W_HEAD_SEEN], r->head_cache, KVCM__RLX);
     r->dropped = h[KVCM_W_DROPPED];
     r->attempted = h[KVCM_W_ATTEMPTED];
     r->seq = 0;
@@ -1133,7 +1136,10 @@ static inline void kvcm__write(kvcm_ring *r, const int64_t *keys, size_t n, uint
          * reader's copies out of those slots happen before our overwrites). A cursor outside
          * [tail - capacity, tail] is garbage: keep the cached one. */
         uint64_t head = KVCM__LOAD(&h[KVCM_W_HEAD], KVCM__ACQ);
-        if (r->tail - head <= r->cap) r->head_cache = head;
+        if (r->tail - head <= r->cap) {
+            r->head_cache = head;
+            KVCM__STORE(&h[KVCM_W_HEAD_SEEN], head, KVCM__RLX);
+        }
         free_ = r->cap - (r->tail - r->head_cache);
     }
     size_t m = n <= free_ ? n : (size_t)free_;

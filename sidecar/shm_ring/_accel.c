@@ -23,7 +23,7 @@
 /* Raised with every change to a signature or behaviour here; compiled.py uses the module only
  * if it equals its own ACCEL_ABI, so a stale in-place build is never called with the wrong
  * arguments (it falls back to the numpy / Python forms instead). */
-#define ACCEL_ABI 6
+#define ACCEL_ABI 7
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 /* Must equal sidecar/shm_ring/layout.py's KIND_STORED / KIND_REMOVED (a test compares). */
 #define KIND_STORED 1
@@ -172,6 +172,7 @@ e1:
 #define W_TAIL 8
 #define W_LAST_SEQ 10
 #define W_ATTEMPTED 12
+#define W_HEAD_SEEN 14
 #define W_HEAD 16
 #define W_READER_IDLE 21
 #define HEADER_WORDS 512
@@ -428,7 +429,6 @@ typedef struct {
     int held; /* words and hdr are held (until release()) */
     int fast; /* 0: every flush is the Python one */
     Py_ssize_t capacity;
-    uint64_t head; /* the reader's cursor as last read: stale, it only under-counts the room */
     long long flushes, busy, fold_post_at, fold_at;
 } Publisher;
 
@@ -442,6 +442,7 @@ static int pub_traverse(Publisher *p, visitproc visit, void *arg) {
 }
 
 static void pub_release_buffers(Publisher *p) {
+    p->fast = 0;
     if (p->held) {
         p->held = 0;
         PyBuffer_Release(&p->hdr);
@@ -465,16 +466,15 @@ static void pub_dealloc(Publisher *p) {
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
-/* Publisher(staged, token, words, hdr, head, slow, after): staged and token the hook's lists,
- * words and hdr the ring's slot and header words (held until release()), head the reader's
- * cursor as the writer last read it, slow(*args, **kw) the Python flush, after(flags) what a
- * flush leaves to Python. The producer cursors (tail, last seq, attempted) are the header's
- * own words: the ring writer's Python paths read them back (writer.py, _sync). */
+/* Publisher(staged, token, words, hdr, slow, after): staged and token the hook's lists, words
+ * and hdr the ring's slot and header words (held until release()), slow(*args, **kw) the
+ * Python flush, after(flags) what a flush leaves to Python. The producer cursors (tail, last
+ * seq, attempted) and the cached reader cursor (head seen) are the header's own words: the
+ * ring writer's Python paths read them back at each write (writer.py, _sync). */
 static int pub_init(Publisher *p, PyObject *args, PyObject *kw) {
     PyObject *staged, *token, *words, *hdr, *slow, *after;
-    unsigned long long head;
-    if (!PyArg_ParseTuple(args, "O!O!OOKOO:Publisher", &PyList_Type, &staged, &PyList_Type,
-                          &token, &words, &hdr, &head, &slow, &after))
+    if (!PyArg_ParseTuple(args, "O!O!OOOO:Publisher", &PyList_Type, &staged, &PyList_Type,
+                          &token, &words, &hdr, &slow, &after))
         return -1;
     if (!PyCallable_Check(slow) || !PyCallable_Check(after)) {
         PyErr_SetString(PyExc_TypeError, "Publisher: slow and after must be callable");
@@ -496,7 +496,6 @@ static int pub_init(Publisher *p, PyObject *args, PyObject *kw) {
         return -1;
     }
     p->capacity = cap;
-    p->head = head;
     Py_INCREF(staged);
     p->staged = staged;
     Py_INCREF(token);
@@ -514,6 +513,10 @@ static int pub_init(Publisher *p, PyObject *args, PyObject *kw) {
 }
 
 static PyObject *pub_slow(Publisher *p, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (p->slow == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Publisher: not initialised");
+        return NULL;
+    }
     return PyObject_Vectorcall(p->slow, args, nargsf, kwnames);
 }
 
@@ -540,13 +543,13 @@ static PyObject *pub_flush(Publisher *p, PyObject *const *args, size_t nargsf,
     volatile uint64_t *hw = p->hdr.buf;
     const uint64_t cap = (uint64_t)p->capacity, tail = hw[W_TAIL];
     const uint64_t start = tail & (cap - 1);
-    if (total >= 0 && cap - (tail - p->head) < (uint64_t)total) {
-        const uint64_t head = hw[W_HEAD]; /* the cached cursor is stale at worst */
-        if (tail - head <= cap) p->head = head; /* else garbage: keep the cached one */
+    uint64_t seen = hw[W_HEAD_SEEN]; /* stale at worst: it only under-counts the room */
+    if (total >= 0 && (tail - seen > cap || cap - (tail - seen) < (uint64_t)total)) {
+        const uint64_t head = hw[W_HEAD];
+        if (tail - head <= cap) hw[W_HEAD_SEEN] = seen = head; /* else garbage: keep ours */
     }
-    const uint64_t free = cap - (tail - p->head);
-    if (total < 0 || (uint64_t)total > free || start + (uint64_t)total > cap ||
-        tail - p->head > cap) {
+    if (total < 0 || tail - seen > cap || (uint64_t)total > cap - (tail - seen) ||
+        start + (uint64_t)total > cap) {
         runs_release(&r); /* a key that is not a word, no memory, a full ring, a wrap */
         PyErr_Clear();
         return pub_slow(p, args, nargsf, kwnames);
@@ -583,8 +586,11 @@ static PyObject *pub_flush(Publisher *p, PyObject *const *args, size_t nargsf,
     }
     if (flags) { /* Python code from here on: everything above is consistent */
         PyObject *res = PyObject_CallFunction(p->after, "i", flags);
-        if (res == NULL)
-            PyErr_Clear(); /* after() counts its own failures; the engine never sees one */
+        if (res == NULL) { /* after() counts its own failures; the engine never sees one */
+            if (!PyErr_ExceptionMatches(PyExc_Exception))
+                return NULL; /* KeyboardInterrupt, SystemExit: the engine's, as in Python */
+            PyErr_Clear();
+        }
         Py_XDECREF(res);
     }
     return PyLong_FromSsize_t(total);
@@ -619,7 +625,7 @@ static PyTypeObject PublisherType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "sidecar.shm_ring._accel.Publisher",
     .tp_basicsize = sizeof(Publisher),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Publisher(staged, token, words, hdr, head, slow, after): the hook's flush in C",
+    .tp_doc = "Publisher(staged, token, words, hdr, slow, after): the hook's flush in C",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)pub_init,
     .tp_traverse = (traverseproc)pub_traverse,
@@ -723,6 +729,7 @@ PyMODINIT_FUNC PyInit__accel(void) {
         PyModule_AddIntConstant(mod, "HEADER_WORDS", HEADER_WORDS) < 0 ||
         PyModule_AddIntConstant(mod, "W_CAPACITY", W_CAPACITY) < 0 ||
         PyModule_AddIntConstant(mod, "W_HEAD", W_HEAD) < 0 ||
+        PyModule_AddIntConstant(mod, "W_HEAD_SEEN", W_HEAD_SEEN) < 0 ||
         PyModule_AddIntConstant(mod, "W_READER_IDLE", W_READER_IDLE) < 0 ||
         PyModule_AddIntConstant(mod, "AFTER_RING", AFTER_RING) < 0 ||
         PyModule_AddIntConstant(mod, "AFTER_POST", AFTER_POST) < 0 ||

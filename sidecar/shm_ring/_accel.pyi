@@ -29,6 +29,7 @@ def words(keys: list[Any], /) -> array[int]: ...
 
 W_CAPACITY: int
 W_HEAD: int
+W_HEAD_SEEN: int
 W_READER_IDLE: int
 AFTER_RING: int
 AFTER_POST: int
@@ -52,7 +53,6 @@ class Publisher:  # absent from a free-threaded build (its flush relies on the G
         token: list[Any],
         words: Any,
         hdr: Any,
-        head: int,
         slow: Any,
         after: Any,
         /,

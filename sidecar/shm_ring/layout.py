@@ -37,6 +37,9 @@ W_LAST_SEQ: Final = 10
 W_LIVENESS_NS: Final = 11
 W_ATTEMPTED: Final = 12
 W_PRODUCER_STATE: Final = 13
+# The reader's cursor as the producer last read it: the producer's own cache (readers ignore
+# it), in the header so the hook's C flush and its Python writer share one.
+W_HEAD_SEEN: Final = 14
 # Line 2: reader cursor and identity (reader-written).
 W_HEAD: Final = 16
 W_READER_PID: Final = 17

@@ -25,11 +25,12 @@ _U64 = (1 << 64) - 1
 WORDS_MAX = 4096  # records per write_words()/write_runs() call (zero parents from one buffer)
 _ZEROS = memoryview(array("Q", bytes(8 * WORDS_MAX)))
 SEQ_BLOCK = 1 << 16  # sequence words made ahead, one numpy call per block (not per flush)
-_W_ATTEMPTED, _W_LAST_SEQ, _W_TAIL, _W_READER_IDLE = (
+_W_ATTEMPTED, _W_LAST_SEQ, _W_TAIL, _W_READER_IDLE, _W_HEAD_SEEN = (
     L.W_ATTEMPTED,
     L.W_LAST_SEQ,
     L.W_TAIL,
     L.W_READER_IDLE,
+    L.W_HEAD_SEEN,
 )
 
 
@@ -60,6 +61,7 @@ class RingWriter:
         # A reader cursor outside [tail - capacity, tail] is garbage (as in free_slots): trust it
         # and the free count could exceed the ring, overwriting unread slots. Start empty.
         self._head_cache = head if 0 <= self._tail - head <= self.capacity else self._tail
+        h[L.W_HEAD_SEEN] = self._head_cache
         self._seq = 0
         self._dropped = int(h[L.W_DROPPED])
         self._attempted = int(h[L.W_ATTEMPTED])
@@ -82,21 +84,19 @@ class RingWriter:
         h[L.W_PRODUCER_STATE] = L.PRODUCER_ATTACHED
 
     def _sync(self) -> None:
-        """The producer cursors from the header's own words, which every publish ends by
-        storing: a flush in C (_accel.Publisher, the hook's) publishes without this object."""
-        if not self._closed:
-            h = self.seg.hdr
-            self._tail, self._seq, self._attempted = h[_W_TAIL], h[_W_LAST_SEQ], h[_W_ATTEMPTED]
+        """The producer cursors (and the cached reader cursor) from the header's own words,
+        which every publish ends by storing: a flush in C (_accel.Publisher, the hook's)
+        publishes without this object. Only at the start of a write, by whoever publishes
+        (the hook's token holder): a write moves these fields ahead of the header until its
+        last store, and a sync from another thread in between would roll them back."""
+        h = self.seg.hdr
+        self._tail, self._seq = h[_W_TAIL], h[_W_LAST_SEQ]
+        self._attempted, self._head_cache = h[_W_ATTEMPTED], h[_W_HEAD_SEEN]
 
     @property
     def last_seq(self) -> int:
-        self._sync()
-        return self._seq
-
-    @property
-    def head_cache(self) -> int:
-        """The reader's cursor as last read (stale at worst: it only under-counts the room)."""
-        return self._head_cache
+        """The last published seq (from any thread: it reads the header, syncs nothing)."""
+        return self._seq if self._closed else int(self.seg.hdr[_W_LAST_SEQ])
 
     @property
     def dropped(self) -> int:
@@ -108,7 +108,7 @@ class RingWriter:
             head = int(self.seg.hdr[L.W_HEAD])
             # A reader cursor outside [tail - capacity, tail] is garbage; keep the cached one.
             if 0 <= self._tail - head <= self.capacity:
-                self._head_cache = head
+                self._head_cache = self.seg.hdr[_W_HEAD_SEEN] = head
             free = self.capacity - (self._tail - self._head_cache)
         return free
 

@@ -267,10 +267,11 @@ def test_c_flush_after_flags_are_the_hooks() -> None:
         hook_mod._AFTER_POST,
         hook_mod._AFTER_FOLD,
     )
-    assert (accel.W_CAPACITY, accel.W_HEAD, accel.W_READER_IDLE) == (
+    assert (accel.W_CAPACITY, accel.W_HEAD, accel.W_READER_IDLE, accel.W_HEAD_SEEN) == (
         L.W_CAPACITY,
         L.W_HEAD,
         L.W_READER_IDLE,
+        L.W_HEAD_SEEN,
     )
 
 
@@ -283,12 +284,100 @@ def test_c_flush_refuses_buffers_that_are_not_one_rings() -> None:
 
     hdr = array("Q", bytes(L.HEADER_SIZE))
     with pytest.raises(ValueError, match="not one ring"):  # capacity word says 0
-        accel.Publisher([], [True], array("Q", bytes(32 * 8)), hdr, 0, nop, nop)
+        accel.Publisher([], [True], array("Q", bytes(32 * 8)), hdr, nop, nop)
     hdr[L.W_CAPACITY] = 8
     with pytest.raises(ValueError, match="not one ring"):  # not a power of two of slots
-        accel.Publisher([], [True], array("Q", bytes(32 * 6)), hdr, 0, nop, nop)
+        accel.Publisher([], [True], array("Q", bytes(32 * 6)), hdr, nop, nop)
     with pytest.raises(TypeError):
-        accel.Publisher([], [True], array("Q", bytes(32 * 8)), hdr, 0, 1, nop)
-    p = accel.Publisher([], [True], array("Q", bytes(32 * 8)), hdr, 0, nop, nop)
+        accel.Publisher([], [True], array("Q", bytes(32 * 8)), hdr, 1, nop)
+    p = accel.Publisher([], [True], array("Q", bytes(32 * 8)), hdr, nop, nop)
     p.release()
     p.release()  # idempotent
+    with pytest.raises(RuntimeError, match="not initialised"):
+        accel.Publisher.__new__(accel.Publisher).flush()  # (it crashed: a NULL callable)
+
+
+def test_reading_last_seq_from_another_thread_never_moves_the_writers_cursors(
+    ring_name: str,
+) -> None:
+    # stats() reads last_seq without the token. It used to sync the cursors from the header:
+    # in the middle of a Python write (cursors ahead of the header until its last store) that
+    # rolled them back, and the write then published the old tail: records lost, no drop.
+    h = _quiet_hook(ring_name, 1024, fold_at=1 << 20)
+    try:
+        h.stored([1, 2])
+        h.flush()
+        w = h._writer
+        w._sync()  # as a write starts (the C flush published without this object)
+        w._tail += 3  # as a write in progress leaves them
+        w._seq += 3
+        assert h.stats()["last_seq"] == 2  # the published one
+        assert (w._tail, w._seq) == (5, 5)
+        w._sync()
+    finally:
+        h.close()
+
+
+def test_c_flush_keeps_going_after_the_python_paths_ran_a_ring_ahead(ring_name: str) -> None:
+    # The reader's cursor the producer caches fell more than a ring behind the tail while the
+    # Python paths published (the flusher, arrays): the C flush must reload it, not give up
+    # on itself for good (every later flush would have been the Python one).
+    h = _quiet_hook(ring_name, 64, fold_at=1 << 20)
+    reader = RingReader(h._seg)
+    try:
+        for i in range(10):  # 160 records through the Python flush, read as they go
+            h.removed(np.arange(16 * i, 16 * i + 16, dtype=np.int64))
+            assert h.flush() == 16
+            assert len(reader.read().records) == 16
+        assert h._pub.flushes == 0
+        for i in range(10):
+            h.stored([1000 + i, 2000 + i])
+            assert h.flush() == 2
+            reader.read()
+        assert h._pub.flushes >= 9  # (one may meet the wrap: the Python flush's)
+        assert h.stats()["dropped"] == 0
+    finally:
+        reader.close()
+        h.close()
+
+
+def test_c_flush_and_the_python_writer_share_one_cached_reader_cursor(ring_name: str) -> None:
+    # A garbage reader cursor: each keeps the last good one it saw, and they must be the same
+    # (the Python writer's own copy, never refreshed while the C flush ran, dropped records).
+    h = _quiet_hook(ring_name, 16, fold_at=1 << 20)
+    reader = RingReader(h._seg)
+    try:
+        for i in range(9):  # C flushes: the 9th finds 0 free as last seen and reloads (16)
+            h.stored([i, 100 + i])
+            assert h.flush() == 2
+            reader.read()
+        assert h._pub.flushes == 9
+        hdr = h._seg.hdr
+        hdr[L.W_HEAD] = int(hdr[L.W_TAIL]) + 99  # garbage
+        h.removed(np.arange(12, dtype=np.int64))  # the Python path: 14 free as last seen
+        assert h.flush() == 12
+        assert h.stats()["dropped"] == 0
+    finally:
+        reader.close()
+        h.close()
+
+
+def test_c_flush_lets_a_keyboard_interrupt_through(ring_name: str) -> None:
+    h = _quiet_hook(ring_name, 1024, fold_at=1 << 20)
+    try:
+
+        def interrupted(flags: int) -> None:
+            raise KeyboardInterrupt
+
+        h._pub = accel.Publisher(  # type: ignore[union-attr]
+            h._staged, h._flush_lock.slot, h._seg.slot_words, h._seg.hdr, h.flush, interrupted
+        )
+        h._pub.fold_post_at = 1
+        h._pub.queue = h._resident.queue if h._resident is not None else None
+        h.stored([1])
+        with pytest.raises(KeyboardInterrupt):
+            h._pub.flush()  # the records are published; the interrupt is the engine's
+        assert h._writer.last_seq == 1
+        h._pub.release()
+    finally:
+        h.close()
