@@ -299,15 +299,18 @@ class Hook:
         self._pub: Any = _FlushState()
         accel = compiled.accel
         if start_flusher and accel is not None and hasattr(accel, "Publisher"):
-            self._pub = accel.Publisher(
-                self._staged,
-                self._flush_lock.slot,
-                segment.slot_words,
-                segment.hdr,
-                self.flush,
-                self._after_flush,
-            )
-            object.__setattr__(self, "flush", self._pub.flush)
+            try:
+                self._pub = accel.Publisher(
+                    self._staged,
+                    self._flush_lock.slot,
+                    segment.slot_words,
+                    segment.hdr,
+                    self.flush,
+                    self._after_flush,
+                )
+                object.__setattr__(self, "flush", self._pub.flush)
+            except Exception as exc:  # an acceleration: without it the Python flush publishes
+                self._problem("c_flush_unavailable", repr(exc))
         self._set_resident(self._new_resident(start_flusher))
         # Queued resident records at which a flush posts the flusher to fold (once, until it
         # has): the fold runs in the flusher, never in the engine's flush.

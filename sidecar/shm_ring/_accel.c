@@ -23,7 +23,7 @@
 /* Raised with every change to a signature or behaviour here; compiled.py uses the module only
  * if it equals its own ACCEL_ABI, so a stale in-place build is never called with the wrong
  * arguments (it falls back to the numpy / Python forms instead). */
-#define ACCEL_ABI 7
+#define ACCEL_ABI 8
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 /* Must equal sidecar/shm_ring/layout.py's KIND_STORED / KIND_REMOVED (a test compares). */
 #define KIND_STORED 1
@@ -177,22 +177,27 @@ e1:
 #define W_READER_IDLE 21
 #define HEADER_WORDS 512
 
-/* An exact int key in [-2^63, 2^64) as its u64 word (KVCM's signed bit pattern: a negative
- * key wraps): 1, or 0 with no exception set if out of range. */
-static int key_word(PyObject *o, uint64_t *out) {
-    uint64_t x = PyLong_AsUnsignedLongLong(o);
-    if (x == (uint64_t)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        const long long sx = PyLong_AsLongLong(o);
-        if ((sx == -1 && PyErr_Occurred()) || sx >= 0) {
-            PyErr_Clear();
-            return 0;
-        }
-        x = (uint64_t)sx;
+/* 2^64, for the range check of an int above 2^63 - 1 */
+static PyObject *two_to_64 = NULL;
+
+/* An exact int in [lo, 2^64) as its u64 word, lo = -2^63 (a key: KVCM's signed bit pattern, a
+ * negative one wraps) or 0 (a meta): 1, or 0 if out of range. Never raises, not even inside:
+ * on CPython 3.11 a raised exception is an object made at once, a GC-tracked allocation that
+ * may run a collection (finalizers: Python code) in the middle of Publisher.flush. */
+static int u64_word(PyObject *o, uint64_t *out, int signed_ok) {
+    int overflow = 0;
+    const long long sx = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow == 0) { /* (-1 with an error is impossible for an exact int) */
+        if (sx < 0 && !signed_ok) return 0;
+        *out = (uint64_t)sx;
+        return 1;
     }
-    *out = x;
+    if (overflow < 0 || PyObject_RichCompareBool(o, two_to_64, Py_LT) != 1) return 0;
+    *out = PyLong_AsUnsignedLongLong(o); /* in [2^63, 2^64): cannot fail */
     return 1;
 }
+
+static int key_word(PyObject *o, uint64_t *out) { return u64_word(o, out, 1); }
 
 /* array.array: put_runs takes exactly its instances (typecode 'Q'), as writer.py's form does. */
 static PyTypeObject *array_type = NULL;
@@ -245,12 +250,8 @@ static Py_ssize_t runs_collect(Runs *r, PyObject *list, Py_ssize_t nr) {
         PyObject *it = PyList_GET_ITEM(list, r->got);
         if (!PyTuple_CheckExact(it) || PyTuple_GET_SIZE(it) != 2) return -1;
         PyObject *kw = PyTuple_GET_ITEM(it, 0), *mo = PyTuple_GET_ITEM(it, 1);
-        if (!PyLong_CheckExact(mo)) return -1;
-        const uint64_t meta = PyLong_AsUnsignedLongLong(mo);
-        if (meta == (uint64_t)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            return -1;
-        }
+        uint64_t meta;
+        if (!PyLong_CheckExact(mo) || !u64_word(mo, &meta, 0)) return -1;
         Py_buffer *v = &r->views[r->got];
         if (PyLong_CheckExact(kw)) { /* one key staged alone (not a bool: not exact) */
             if (!key_word(kw, &r->keys[r->got])) return -1;
@@ -487,15 +488,17 @@ static int pub_init(Publisher *p, PyObject *args, PyObject *kw) {
         return -1;
     }
     p->held = 1;
-    const Py_ssize_t cap = p->words.len / 32;
-    if (p->words.itemsize != 8 || p->hdr.itemsize != 8 || p->hdr.len / 8 < HEADER_WORDS ||
-        cap < 1 || (cap & (cap - 1)) || p->words.len != cap * 32 ||
-        ((uint64_t *)p->hdr.buf)[W_CAPACITY] != (uint64_t)cap) {
+    /* The ring's capacity word; the slot words may run past its slots (a longer mapping). */
+    const uint64_t cap = p->hdr.itemsize == 8 && p->hdr.len / 8 >= HEADER_WORDS
+                             ? ((uint64_t *)p->hdr.buf)[W_CAPACITY]
+                             : 0;
+    if (p->words.itemsize != 8 || cap == 0 || (cap & (cap - 1)) ||
+        cap > (uint64_t)(p->words.len / 32)) {
         pub_release_buffers(p);
         PyErr_SetString(PyExc_ValueError, "Publisher: words and hdr are not one ring's");
         return -1;
     }
-    p->capacity = cap;
+    p->capacity = (Py_ssize_t)cap;
     Py_INCREF(staged);
     p->staged = staged;
     Py_INCREF(token);
@@ -560,8 +563,12 @@ static PyObject *pub_flush(Publisher *p, PyObject *const *args, size_t nargsf,
     const Py_ssize_t queued = q ? PyList_GET_SIZE(q->items) : 0;
     for (Py_ssize_t i = 0; q && i < nr; i++) {
         if (PyList_Append(q->items, PyList_GET_ITEM(p->staged, i)) < 0) {
-            PyErr_Clear();
-            if (PyList_SetSlice(q->items, queued, PY_SSIZE_T_MAX, NULL) < 0) PyErr_Clear();
+            PyErr_Clear(); /* (out of memory: the MemoryError may have let another thread run,
+                            * so the appends are taken back only if the queue is as we left
+                            * it; else they stay: the same runs twice in order are harmless) */
+            if (PyList_GET_SIZE(q->items) == queued + i &&
+                PyList_SetSlice(q->items, queued, PY_SSIZE_T_MAX, NULL) < 0)
+                PyErr_Clear();
             runs_release(&r);
             return pub_slow(p, args, nargsf, kwnames);
         }
@@ -573,11 +580,11 @@ static PyObject *pub_flush(Publisher *p, PyObject *const *args, size_t nargsf,
     }
     runs_store(&r, p->words.buf, hw, (Py_ssize_t)start, total, hw[W_LAST_SEQ], hw[W_ATTEMPTED],
                tail);
-    runs_release(&r); /* (the staged arrays the resident set does not keep go here) */
     p->flushes++;
+    if (q) q->n += total;
+    runs_release(&r); /* (the staged arrays the resident set does not keep are freed here) */
     int flags = hw[W_READER_IDLE] ? AFTER_RING : 0;
     if (q) {
-        q->n += total;
         if (q->n >= p->fold_post_at) {
             p->fold_post_at = FOLD_NEVER; /* until the flusher has folded */
             flags |= AFTER_POST;
@@ -696,6 +703,10 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_accel", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__accel(void) {
+    if (two_to_64 == NULL) {
+        two_to_64 = PyLong_FromString("18446744073709551616", NULL, 10);
+        if (two_to_64 == NULL) return NULL;
+    }
     if (array_type == NULL) { /* array.array, and array('Q', [0]) to repeat */
         PyObject *array = PyImport_ImportModule("array");
         if (array == NULL) return NULL;

@@ -381,3 +381,91 @@ def test_c_flush_lets_a_keyboard_interrupt_through(ring_name: str) -> None:
         h._pub.release()
     finally:
         h.close()
+
+
+def test_c_flush_runs_no_python_code_inside_an_except_block(ring_name: str) -> None:
+    # A negative single key made the conversion raise (and clear) an OverflowError; inside an
+    # `except` block CPython 3.11 makes that exception an object at once, a GC-tracked
+    # allocation that ran a collection, and its finalizers (Python code: the GIL could pass to
+    # the flusher, which published and emptied `staged` under the C flush: a crash).
+    import gc
+
+    h = _quiet_hook(ring_name, 1024, fold_at=1 << 20)
+    seen: list[int] = []
+
+    class Finalized:
+        me: Any
+
+        def __del__(self) -> None:
+            seen.append(len(h._staged))
+
+    def garbage() -> None:
+        a = Finalized()
+        a.me = a
+
+    h.stored(-5)
+    h.stored([1, 2, 3])
+    h.removed(-7)
+    old = gc.get_threshold()
+    gc.collect()
+    gc.disable()
+    gc.set_threshold(1)
+    try:
+        try:
+            raise ValueError("the engine's error path")
+        except ValueError:
+            garbage()
+            gc.enable()
+            assert h.flush() == 5
+    finally:
+        gc.set_threshold(*old)
+        gc.enable()
+    gc.collect()
+    assert seen and all(n == 0 for n in seen)  # it ran, and never inside the flush
+    h.close()
+
+
+def test_c_flush_on_a_mapping_longer_than_its_ring(ring_name: str) -> None:
+    # A segment longer than header + slots is valid (Segment refuses only a short one); the C
+    # flush refused it and took the whole hook down (attach gave a NullHook).
+    import os
+
+    import posix_ipc
+
+    from sidecar.shm_ring.segment import Segment
+
+    Segment(ring_name, 16).close()
+    shm = posix_ipc.SharedMemory(ring_name)
+    os.ftruncate(shm.fd, L.segment_bytes(16) + 4096)
+    os.close(shm.fd)
+    h = _quiet_hook(ring_name, 16, fold_at=1 << 20)
+    try:
+        assert "flush" in vars(h)
+        h.stored(list(range(16)))
+        assert h.flush() == 16
+        h.stored([99])
+        assert h.flush() == 0  # the ring's 16 slots, not the mapping's: full
+        assert h.stats()["dropped"] == 1
+    finally:
+        h.close()
+
+
+def test_hook_without_a_c_flush_it_could_not_make_keeps_the_python_one(
+    ring_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import types
+
+    def refuse(*_a: object) -> None:
+        raise ValueError("no")
+
+    assert accel is not None
+    fake = types.SimpleNamespace(**{**vars(accel), "Publisher": refuse})
+    monkeypatch.setattr(compiled, "accel", fake)
+    h = _quiet_hook(ring_name, 1024, fold_at=1 << 20)
+    try:
+        assert "flush" not in vars(h)
+        assert h.stats()["problems"] == {"c_flush_unavailable": 1}
+        h.stored([1, 2])
+        assert h.flush() == 2
+    finally:
+        h.close()
