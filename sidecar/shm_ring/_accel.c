@@ -197,7 +197,23 @@ static int u64_word(PyObject *o, uint64_t *out, int signed_ok) {
     return 1;
 }
 
-static int key_word(PyObject *o, uint64_t *out) { return u64_word(o, out, 1); }
+/* key_word for the staging call (words(), outside any flush): the same result, one call for
+ * a key in [0, 2^64) (random 64-bit hashes: half are past 2^63), but it may raise and clear
+ * an OverflowError on the way (a negative key). */
+static int key_word(PyObject *o, uint64_t *out) {
+    uint64_t x = PyLong_AsUnsignedLongLong(o);
+    if (x == (uint64_t)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        const long long sx = PyLong_AsLongLong(o);
+        if ((sx == -1 && PyErr_Occurred()) || sx >= 0) {
+            PyErr_Clear();
+            return 0;
+        }
+        x = (uint64_t)sx;
+    }
+    *out = x;
+    return 1;
+}
 
 /* array.array: put_runs takes exactly its instances (typecode 'Q'), as writer.py's form does. */
 static PyTypeObject *array_type = NULL;
@@ -254,7 +270,7 @@ static Py_ssize_t runs_collect(Runs *r, PyObject *list, Py_ssize_t nr) {
         if (!PyLong_CheckExact(mo) || !u64_word(mo, &meta, 0)) return -1;
         Py_buffer *v = &r->views[r->got];
         if (PyLong_CheckExact(kw)) { /* one key staged alone (not a bool: not exact) */
-            if (!key_word(kw, &r->keys[r->got])) return -1;
+            if (!u64_word(kw, &r->keys[r->got], 1)) return -1;
             v->obj = NULL; /* nothing to release */
             v->buf = &r->keys[r->got];
             v->len = 8;
