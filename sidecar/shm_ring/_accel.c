@@ -23,7 +23,7 @@
 /* Raised with every change to a signature or behaviour here; compiled.py uses the module only
  * if it equals its own ACCEL_ABI, so a stale in-place build is never called with the wrong
  * arguments (it falls back to the numpy / Python forms instead). */
-#define ACCEL_ABI 8
+#define ACCEL_ABI 9
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 /* Must equal sidecar/shm_ring/layout.py's KIND_STORED / KIND_REMOVED (a test compares). */
 #define KIND_STORED 1
@@ -192,7 +192,12 @@ static int u64_word(PyObject *o, uint64_t *out, int signed_ok) {
         *out = (uint64_t)sx;
         return 1;
     }
-    if (overflow < 0 || PyObject_RichCompareBool(o, two_to_64, Py_LT) != 1) return 0;
+    if (overflow < 0) return 0;
+    /* int's own comparison: PyObject_RichCompare's recursion guard could raise */
+    PyObject *lt = PyLong_Type.tp_richcompare(o, two_to_64, Py_LT);
+    const int below = lt == Py_True;
+    Py_XDECREF(lt);
+    if (!below) return 0;
     *out = PyLong_AsUnsignedLongLong(o); /* in [2^63, 2^64): cannot fail */
     return 1;
 }
@@ -345,6 +350,7 @@ static PyObject *put_runs(PyObject *self, PyObject *const *args, Py_ssize_t narg
     if (total == -2) {
         /* no memory: the exception is set */
     } else if (total < 0) {
+        PyErr_Clear(); /* (none is set; a backstop: a -1 must never carry one) */
         result = PyLong_FromLong(-1);
     } else if (total > room || start < 0) {
         result = PyLong_FromSsize_t(-2 - total);
@@ -539,6 +545,9 @@ static PyObject *pub_slow(Publisher *p, PyObject *const *args, size_t nargsf, Py
     return PyObject_Vectorcall(p->slow, args, nargsf, kwnames);
 }
 
+static PyObject *pub_publish(Publisher *p, RunQueue *q, Py_ssize_t nr, PyObject *const *args,
+                             size_t nargsf, PyObject *kwnames);
+
 /* flush(wait=False) -> records accepted: the hook's flush(). */
 static PyObject *pub_flush(Publisher *p, PyObject *const *args, size_t nargsf,
                            PyObject *kwnames) {
@@ -557,6 +566,16 @@ static PyObject *pub_flush(Publisher *p, PyObject *const *args, size_t nargsf,
         if (q->items == NULL || !PyList_CheckExact(q->items))
             return pub_slow(p, args, nargsf, kwnames);
     }
+    /* q is held across the publish: only a MemoryError in it could let other code run (and
+     * replace the queue), but then q must still be there to look at */
+    Py_XINCREF(q);
+    PyObject *res = pub_publish(p, q, nr, args, nargsf, kwnames);
+    Py_XDECREF(q);
+    return res;
+}
+
+static PyObject *pub_publish(Publisher *p, RunQueue *q, Py_ssize_t nr, PyObject *const *args,
+                             size_t nargsf, PyObject *kwnames) {
     Runs r;
     const Py_ssize_t total = runs_collect(&r, p->staged, nr);
     volatile uint64_t *hw = p->hdr.buf;

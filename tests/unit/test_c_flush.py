@@ -469,3 +469,27 @@ def test_hook_without_a_c_flush_it_could_not_make_keeps_the_python_one(
         assert h.flush() == 2
     finally:
         h.close()
+
+
+def test_c_conversions_hold_near_the_recursion_limit() -> None:
+    # A key in [2^63, 2^64) was range-checked with PyObject_RichCompareBool, whose recursion
+    # guard raised RecursionError near the limit: half of all 64-bit hashes then fell to the
+    # Python flush (which raised it into the engine), and put_runs returned -1 with it set.
+    from array import array
+
+    assert accel is not None
+    words = array("Q", bytes(32 * 16))
+    hdr = array("Q", bytes(L.HEADER_SIZE))
+    got: list[int] = []
+
+    def deep(d: int) -> None:
+        try:
+            deep(d + 1)
+        except RecursionError:
+            got.append(accel.put_runs([((1 << 63) + 5, 1)], words, hdr, 0, 16, 0, 0, 0))
+            raise
+
+    with contextlib.suppress(RecursionError):
+        deep(0)
+    assert got and all(n == 1 for n in got)
+    assert words[1] == (1 << 63) + 5
