@@ -328,6 +328,10 @@ class Stream:
             if repair and o is not None and self._repairable(o):
                 self._fold(f, 0, start)
                 seq, _payload, _replayed, *prev = o
+                # This batch and the live ones after it were counted applied, and the replay
+                # brings them again (counted replayed): they were not applied, after all.
+                redo = {p.origin[0] for p in pend[i:] if p.origin is not None and not p.origin[2]}
+                self.batches["applied"] -= len(redo)
                 self.batches["malformed"] += 1
                 self.gaps += 1
                 log.warning("zmq batch unreadable seq=%d reason=%s (block_hashes)", seq, ERR_EVENT)

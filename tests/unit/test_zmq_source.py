@@ -644,6 +644,7 @@ def test_zmq_stream_unreadable_block_hashes_in_a_live_batch_are_fetched_again() 
     s.flush(repair=True)
     assert replaying(s) and s.want_replay == 0 and s.expected == 1 and s.forgets == {}
     assert s.batches["malformed"] == 1 and s.decode_errors["malformed_event"] == 1
+    assert s.batches["applied"] == 1  # 1 and 2 are not (the replay brings them: replayed)
     assert set(s.counts.keys.published_keys().tolist()) == {1, 2}  # 1 and 2: not folded
     s.on_replayed(0, first)  # the proof: same engine life
     s.on_replayed(1, payload([removed(1), removed(2), stored(3)]))  # the engine's own copy
@@ -652,6 +653,9 @@ def test_zmq_stream_unreadable_block_hashes_in_a_live_batch_are_fetched_again() 
     s.on_live(3, payload([stored(5)]))
     assert not replaying(s) and published(s) == {3, 4, 5} and s.forgets == {}
     assert s.events[:2].tolist() == [2, 5]  # removed, stored (GPU): the discarded not counted
+    # each batch counted once by what finally happened to it (0 applied, 1 and 2 replayed
+    # after the malformed copy of 1, 3 applied; the replay's proof batch 0 a duplicate)
+    assert (s.batches["applied"], s.batches["replayed"], s.batches["malformed"]) == (2, 2, 1)
 
 
 def test_zmq_stream_unreadable_block_hashes_in_the_replayed_copy_too_forget() -> None:
