@@ -632,9 +632,7 @@ class Hook:
                 try:
                     self._resident.fold()
                 finally:
-                    self._give(True)
-                    if self._flush_lock.waiting:
-                        self._flush_lock.woken()
+                    self._flush_lock.__exit__()
         except Exception as exc:
             self._problem("flush_failed", repr(exc))
 

@@ -587,11 +587,8 @@ static PyObject *pub_publish(Publisher *p, RunQueue *q, Py_ssize_t nr, PyObject 
         if (tail - head <= cap) hw[W_HEAD_SEEN] = seen = head; /* else garbage: keep ours */
     }
     if (total < 0 || tail - seen > cap || (uint64_t)total > cap - (tail - seen) ||
-        start + (uint64_t)total > cap) {
-        runs_release(&r); /* a key that is not a word, no memory, a full ring, a wrap */
-        PyErr_Clear();
-        return pub_slow(p, args, nargsf, kwnames);
-    }
+        start + (uint64_t)total > cap)
+        goto slow; /* a key that is not a word, no memory, a full ring, a wrap */
     /* The resident set first (a failure here changes nothing), then staged, then the ring.
      * Should removing them from staged fail, the Python flush publishes them again: the same
      * transitions twice in the same order end in the same state, and seqs stay dense. */
@@ -600,19 +597,14 @@ static PyObject *pub_publish(Publisher *p, RunQueue *q, Py_ssize_t nr, PyObject 
         if (PyList_Append(q->items, PyList_GET_ITEM(p->staged, i)) < 0) {
             PyErr_Clear(); /* (out of memory: the MemoryError may have let another thread run,
                             * so the appends are taken back only if the queue is as we left
-                            * it; else they stay: the same runs twice in order are harmless) */
-            if (PyList_GET_SIZE(q->items) == queued + i &&
-                PyList_SetSlice(q->items, queued, PY_SSIZE_T_MAX, NULL) < 0)
-                PyErr_Clear();
-            runs_release(&r);
-            return pub_slow(p, args, nargsf, kwnames);
+                            * it; else they stay: the same runs twice in order are harmless;
+                            * a failing rollback's own error is cleared at slow) */
+            if (PyList_GET_SIZE(q->items) == queued + i)
+                PyList_SetSlice(q->items, queued, PY_SSIZE_T_MAX, NULL);
+            goto slow;
         }
     }
-    if (PyList_SetSlice(p->staged, 0, nr, NULL) < 0) {
-        PyErr_Clear();
-        runs_release(&r);
-        return pub_slow(p, args, nargsf, kwnames);
-    }
+    if (PyList_SetSlice(p->staged, 0, nr, NULL) < 0) goto slow;
     runs_store(&r, p->words.buf, hw, (Py_ssize_t)start, total, hw[W_LAST_SEQ], hw[W_ATTEMPTED],
                tail);
     p->flushes++;
@@ -636,6 +628,10 @@ static PyObject *pub_publish(Publisher *p, RunQueue *q, Py_ssize_t nr, PyObject 
         Py_XDECREF(res);
     }
     return PyLong_FromSsize_t(total);
+slow: /* nothing published: the Python flush does it all */
+    runs_release(&r);
+    PyErr_Clear();
+    return pub_slow(p, args, nargsf, kwnames);
 }
 
 static PyObject *pub_release(Publisher *p, PyObject *unused) {

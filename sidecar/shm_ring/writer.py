@@ -160,7 +160,6 @@ class RingWriter:
         key) with its meta: (records accepted, records). None: something else was staged,
         nothing is written (the caller takes the general path). The usual case (all fit, no
         wrap) is one C call (_accel.put_runs: slots and header stores); else write_runs()."""
-        self._sync()
         accel = compiled.accel
         if accel is None:
             n = 0
@@ -173,6 +172,7 @@ class RingWriter:
             # Past WORDS_MAX records: the caller's general path here, put_runs in C (the ring
             # and the resident set end the same either way).
             return (self.write_runs(runs, n), n) if n <= WORDS_MAX else None
+        self._sync()  # (write_runs syncs itself)
         tail = self._tail
         start = tail & self._mask
         room = min(self.capacity - start, self.capacity - (tail - self._head_cache))
