@@ -223,7 +223,7 @@ class _Tier:
         self, keys: np.ndarray, pubs: np.ndarray, pos: np.ndarray | None, bad: np.ndarray
     ) -> None:
         if pos is None:  # compacted while in flight: look the keys up again
-            pos = self.find(keys, insert=True)
+            pos = self.t.locate(keys)
         ok = ~bad
         p_ok = pos[ok]
         delta = int(pubs[ok].sum()) - int(self.acked[p_ok].sum())
@@ -236,11 +236,13 @@ class _Tier:
             self.mark_dirty(self.find(keys[bad], insert=True), front=True)
 
     def commit_snapshot(self, sent: np.ndarray) -> None:
+        # Positions first, columns after: an insert may grow or re-index the table and swap
+        # every column for a new array, so a column read before find() would take the writes
+        # into the discarded copy (issue #24: nothing acked, removed keys never deleted).
+        pos = self.t.locate(sent)
         n = self.n
         self.acked[:n] = False
-        if len(sent):
-            self.acked[self.find(sent, insert=True)] = True
-        n = self.n
+        self.acked[pos] = True
         self.owner._nacked += len(sent) - self.nacked
         self.nacked = len(sent)
         self.queued[:n] = False

@@ -110,6 +110,15 @@ class KeyTable:
             col[before : self.idx.n] = 0
         return pos
 
+    def locate(self, ukeys: np.ndarray) -> np.ndarray:
+        """find(insert=True) for keys that are usually all present (a commit of what was sent):
+        a plain lookup, inserting only if one is missing. find() paces the re-index as if every
+        key were new, so a commit of 30 000 held keys would rebuild the whole table for none."""
+        pos = self.idx.find(ukeys, insert=False)
+        if len(pos) and int(pos.min()) < 0:
+            pos = self.find(ukeys, insert=True)  # may re-index: every position looked up again
+        return pos
+
     # ---- re-indexing ----------------------------------------------------------------------
     def _reindex_step(self, incoming: int) -> None:
         """Start, advance or finish the re-index, so that `incoming` keys can be inserted."""

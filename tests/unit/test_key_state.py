@@ -218,3 +218,125 @@ def test_fold_ops_is_the_last_op_per_key_and_group(ops: list[tuple[int, int, int
     got = {k: [s, c] for k, s, c in zip(keys.tolist(), setb.tolist(), clrb.tolist(), strict=True)}
     assert got == want
     assert keys.tolist() == sorted(want)  # distinct and ascending
+
+
+@pytest.mark.parametrize("held", [10_000, 30_000, 40_000])
+def test_key_state_commit_snapshot_that_reindexes_still_acks_what_was_sent(held: int) -> None:
+    """Issue #24: the commit's lookup of `sent` re-indexed the table and the acks went into the
+    discarded column, so every key was sent again as an ADD and the keys removed while the
+    snapshot was in flight never got their DELETE."""
+    ks = KeyState((0,))
+    ks.apply(records([(L.KIND_STORED, 0, k) for k in range(held)]))
+    keys, meds = ks.published()
+    ks.apply(records([(L.KIND_REMOVED, 0, k) for k in range(100)], held + 1))
+    ks.commit_snapshot(keys, meds)
+    batch = ks.take_batch(1 << 20)
+    assert len(batch.adds) == 0
+    assert sorted(batch.deletes.tolist()) == list(range(100))
+    assert ks.acked_keys() == set(range(held))
+
+
+def _bulk(kind: int, keys: np.ndarray, medium: int, seq: int) -> np.ndarray:
+    out = np.zeros((len(keys), 4), np.uint64)
+    out[:, 0] = np.arange(seq, seq + len(keys), dtype=np.uint64)
+    out[:, 1] = keys.astype(np.int64).view(np.uint64)
+    out[:, 2] = np.uint64(L.pack_meta(kind, 0)) | np.uint64(medium << 16)
+    return out
+
+
+BULK_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "store", "remove", "delta", "snapshot", "forget", "clear"]),
+        st.integers(0, 1),  # medium
+        st.integers(1, 24_000),  # how many
+    ),
+    min_size=1,
+    max_size=10,
+)
+
+
+@pytest.mark.parametrize("tiny", [False, True], ids=["default", "tiny_index"])
+@settings(max_examples=25, deadline=None)
+@given(ops=BULK_OPS, seed=st.integers(0, 2**32 - 1))
+def test_key_state_acked_is_kvcm_through_reindexes_at_any_call(
+    tiny: bool, ops: list[tuple[str, int, int]], seed: int
+) -> None:
+    """16 k - 64 k keys per medium, where the default table re-indexes (and, `tiny`, a table
+    that re-indexes stepwise in nearly every call): re-indexes land inside apply, take_batch,
+    confirm, published() and commit_snapshot, with a snapshot or a delta in flight. The model
+    is KVCM's copy (what it was sent and answered); `acked` must equal it after every answer,
+    and draining the dirty queue must make it equal the engine's truth."""
+    from sidecar import key_state
+    from sidecar.shm_ring import key_table
+
+    old = key_state._MIN_CAP, key_table.REBUILD_STEP
+    if tiny:
+        key_state._MIN_CAP, key_table.REBUILD_STEP = 4, 1_000
+    try:
+        rng = np.random.default_rng(seed)
+        ks = KeyState((0,))
+        truth: list[set[int]] = [set(), set()]
+        kvcm: list[set[int]] = [set(), set()]
+        seq = 1
+        next_key = 0
+
+        def engine(kind: str, medium: int, n: int) -> None:
+            nonlocal seq, next_key
+            if kind == "store":  # fresh keys, and some removed ones stored again
+                fresh = np.arange(next_key, next_key + n, dtype=np.int64)
+                next_key += n
+                keys = np.concatenate([fresh, rng.integers(0, max(next_key, 1), n // 8)])
+                ks.apply(_bulk(L.KIND_STORED, keys, medium, seq))
+                truth[medium].update(keys.tolist())
+            elif kind == "remove" and truth[medium]:
+                held = np.fromiter(truth[medium], np.int64)
+                keys = rng.choice(held, min(n, len(held)), replace=False)
+                ks.apply(_bulk(L.KIND_REMOVED, keys, medium, seq))
+                truth[medium].difference_update(keys.tolist())
+            elif kind == "clear":
+                ks.clear_current()
+                truth[0].clear()
+                truth[1].clear()
+            seq += n + 1
+
+        def answered() -> None:
+            for m in (0, 1):
+                assert ks.acked_keys(m) == kvcm[m]
+
+        for op, medium, n in ops:
+            if op in ("store", "remove", "clear"):
+                engine(op, medium, n)
+            elif op == "delta":  # one request in flight while the engine goes on
+                batch = ks.take_batch(n)
+                engine("store", medium, n // 2)
+                engine("remove", 1 - medium, n // 3)
+                failed = list(range(0, len(batch), 7))
+                for i, (k, m, pub) in enumerate(batch.triples()):
+                    if i not in failed:
+                        (kvcm[m].add if pub else kvcm[m].discard)(k)
+                ks.confirm(batch, failed)
+                answered()
+            elif op == "snapshot":  # the whole state in flight, the engine goes on meanwhile
+                keys, meds = ks.published()
+                engine("remove", medium, n)
+                engine("store", 1 - medium, n // 2)
+                ks.commit_snapshot(keys, meds)
+                for m in (0, 1):
+                    kvcm[m] = set(keys[meds == m].tolist())
+                answered()
+            elif op == "forget":
+                ks.forget_acked()
+                kvcm = [set(), set()]
+                answered()
+        while ks.dirty:
+            batch = ks.take_batch(4096)
+            for k, m, pub in batch.triples():
+                (kvcm[m].add if pub else kvcm[m].discard)(k)
+            ks.confirm(batch)
+        answered()
+        for m in (0, 1):
+            assert kvcm[m] == truth[m]
+            assert set(ks.published_keys(m).tolist()) == truth[m]
+        assert ks.in_sync()
+    finally:
+        key_state._MIN_CAP, key_table.REBUILD_STEP = old
