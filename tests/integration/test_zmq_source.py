@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from engine_hook.zmq_publisher import PublisherProcess
+from sidecar.testbed.zmq_publisher import PublisherProcess
 from tests.integration.harness import Harness, SidecarProc
 
 # engine medium -> KVCM medium (the default medium map)
