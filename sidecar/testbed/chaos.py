@@ -1,0 +1,876 @@
+"""The chaos run: every kind of engine with its own sidecar, a seeded nemesis, and a checker.
+
+`python -m sidecar.testbed.chaos --seed N --duration S [--sources ring,plain,c,vllm,sglang]`
+
+Imports: stdlib, aiohttp, sidecar.child, sidecar.testbed.*. Real processes throughout: a
+KVCM-compatible server with a state file, one engine of each kind asked for (`ring`: the
+reference block cache, which answers snapshots; `plain`: an engine without a snapshot provider;
+`c`: the C producer; `vllm` / `sglang`: ZMQ publishers in either format), each with its own
+`kvcm-sidecar run`, every link through a FaultProxy. The engines' workloads run throughout.
+
+The nemesis draws its schedule from the seed and prints it first (a failing seed reruns
+exactly); faults overlap and each is held for a random time. The checker samples, twice a
+second, each engine's truth and what KVCM shows for its host: a key the engine no longer holds
+must not stay visible longer than the stale bound (flush window + RTT + periodic snapshot +
+the faults that touched that host meanwhile), and a key whose removal KVCM had shown must not
+come back while the engine still lacks it. After the nemesis, every link healed and every
+process back, each host must converge: KVCM equal to the engine's truth, (key, medium) for
+(key, medium). A violation prints the seed, the schedule and the first differing keys with
+what the samples saw of them. Exit 0: no violation; 1: violations; 2: bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from sidecar.child import Proc, spawn
+from sidecar.testbed.fault_proxy import FaultProxy
+
+SOURCES = ("ring", "plain", "c", "vllm", "sglang")
+ZMQ_KVCM_MEDIUM = {"GPU": "hbm", "CPU": "mem", "CPU_PINNED": "mem", "DISK": "disk"}
+SAMPLE_S = 0.5
+LEAK_MIN_S = 300.0  # sidecars that lived this long get a leak figure (a soak's)
+CONVERGE_S = 30.0
+# The sidecars' settings: quick to notice and to recover, so that a short run sees many cycles.
+SIDECAR_SETTINGS = {
+    "report.heartbeat_interval_s": "0.2",
+    "report.flush_window_s": "0.01",
+    "report.backoff_base_s": "0.05",
+    "report.backoff_cap_s": "0.5",
+    "report.circuit_retry_s": "1",
+    "report.ambiguous_snapshot_delay_s": "1",
+    "engine.watch_interval_s": "0.05",
+    "engine.stale_after_s": "1.5",
+    "manager.request_timeout_s": "0.5",
+    "manager.snapshot_timeout_s": "5",
+    "shutdown.grace_s": "3",
+    "shutdown.host_down_budget_s": "0.3",
+    "ring.idle_poll_interval_s": "0.005",
+    "source.zmq.replay_timeout_s": "1",
+    "source.zmq.checkpoint_interval_s": "0.2",
+}
+HEARTBEAT_TIMEOUT_MS = 2000
+FLUSH_RTT_S = 1.0  # flush window + a request's round trip, with slack for a loaded machine
+# The backstop snapshot, longer than the convergence window: a host must converge exactly
+# without waiting for it (a stale key it would have hidden is then a finding, not noise).
+PERIODIC_SNAPSHOT_S = 60.0
+# Faults: kind -> (targets: "sidecar" | "engine" | "zmq" | "ring" | "kvcm", held for (min, max) s)
+FAULTS: dict[str, tuple[str, tuple[float, float]]] = {
+    "sidecar_kill": ("sidecar", (0.2, 2.0)),  # SIGKILL, restarted after the hold
+    "sidecar_stop": ("sidecar", (0.3, 2.5)),  # SIGSTOP, SIGCONT after the hold
+    "engine_kill": ("engine", (0.2, 2.0)),  # SIGKILL, a new incarnation after the hold
+    "engine_stop": ("engine", (0.3, 3.0)),
+    "kvcm_restart": ("kvcm", (0.2, 1.5)),  # with its state file
+    "kvcm_reset": ("kvcm", (0.2, 1.5)),  # without it: state loss
+    "kvcm_503": ("kvcm", (0.3, 2.0)),
+    "kvcm_slow": ("kvcm", (0.5, 3.0)),  # every reportEvent held 0.2-1.5 s
+    "link_partition": ("sidecar", (0.3, 3.0)),  # sidecar <-> KVCM blackholed
+    "link_cut": ("sidecar", (0.0, 0.0)),
+    "zmq_cut": ("zmq", (0.0, 0.0)),  # publisher <-> sidecar: a gap the replay covers
+    "zmq_partition": ("zmq", (0.3, 2.5)),  # the PUB link, or both links, held
+    "zmq_restart": ("zmq", (0.0, 0.0)),  # a new engine life: seq back to 0
+    "ring_overflow": ("ring", (0.0, 0.0)),  # a burst of 10x the ring
+    "checkpoint_unwritable": ("zmq", (0.5, 3.0)),
+}
+
+
+@dataclass
+class Fault:
+    at: float
+    hold: float
+    kind: str
+    target: str  # a host name, or "kvcm"
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def schedule(seed: int, duration: float, hosts: list[str]) -> list[Fault]:
+    """The nemesis' plan, from the seed alone: one fault every 0.4-1.6 s, overlapping."""
+    rng = random.Random(seed)
+    zmq = [h for h in hosts if h in ("vllm", "sglang")]
+    ring = [h for h in hosts if h in ("ring", "plain", "c")]
+    kinds = [k for k, (t, _) in FAULTS.items() if (t != "zmq" or zmq) and (t != "ring" or ring)]
+    out: list[Fault] = []
+    t = rng.uniform(0.5, 1.5)
+    while t < duration:
+        kind = rng.choice(kinds)
+        what, (lo, hi) = FAULTS[kind]
+        hold = round(rng.uniform(lo, hi), 3)
+        target = {
+            "sidecar": rng.choice(hosts),
+            "engine": rng.choice(hosts),
+            "zmq": rng.choice(zmq) if zmq else "",
+            "ring": rng.choice(ring) if ring else "",
+            "kvcm": "kvcm",
+        }[what]
+        detail: dict[str, Any] = {}
+        if kind == "kvcm_slow":
+            detail["delay_ms"] = rng.randrange(200, 1500)
+        if kind == "zmq_partition":
+            detail["links"] = rng.choice(["pub", "both"])
+        out.append(Fault(round(t, 3), min(hold, max(duration - t, 0.0)), kind, target, detail))
+        t += rng.uniform(0.4, 1.6)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+# ---- the world ---------------------------------------------------------------------------
+class Kvcm:
+    """The KVCM-compatible server as a child process on a fixed port, restartable."""
+
+    def __init__(self, root: Path, tasks: list[asyncio.Task[None]]) -> None:
+        self.port = free_port()
+        self.state_file = root / "kvcm-state.json"
+        self.tasks = tasks
+        self.proc: Proc | None = None
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self.proc = await spawn(
+            "kvcm",
+            sys.executable,
+            "-m",
+            "sidecar.cli",
+            "kvcm-server",
+            "--meta-port",
+            str(self.port),
+            "--bootstrap",
+            "--state-file",
+            str(self.state_file),
+            "--snapshot-min-interval-ms",
+            "500",
+            "--heartbeat-timeout-ms",
+            str(HEARTBEAT_TIMEOUT_MS),
+            "--cleanup-grace-ms",
+            "20000",
+            tasks=self.tasks,
+        )
+        await self.proc.expect(lambda x: isinstance(x, str) and "listening on" in x, 30)
+
+    async def stop(self, lose_state: bool = False) -> None:
+        if self.proc is not None:
+            await self.proc.stop(signal.SIGTERM)  # the state file is written at shutdown
+            self.proc = None
+        if lose_state:
+            self.state_file.unlink(missing_ok=True)
+
+    async def faults(self, s: aiohttp.ClientSession, body: dict[str, Any]) -> None:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with s.post(f"{self.url}/debug/faults", json=body, timeout=_T2) as r:
+                await r.read()
+
+    async def view(self, s: aiohttp.ClientSession) -> dict[str, set[tuple[int, str]]] | None:
+        """host_ip_port -> visible (key, medium); None while the server does not answer."""
+        try:
+            async with s.get(f"{self.url}/debug/reporters", timeout=_T5) as r:
+                data = await r.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+        out: dict[str, set[tuple[int, str]]] = {}
+        for rep in data["reporters"]:
+            out.setdefault(rep["host_ip_port"], set()).update(
+                (int(k), m) for k, m in rep["visible"]
+            )
+        return out
+
+
+_T2 = aiohttp.ClientTimeout(total=2)
+_T5 = aiohttp.ClientTimeout(total=5)
+
+
+class Host:
+    """One engine, its sidecar and their links. Subclasses: how the engine runs and reports."""
+
+    kind = ""
+
+    def __init__(self, name: str, run: Run) -> None:
+        self.name = name
+        self.run = run
+        self.instance_id = f"chaos-{name}"
+        self.host_ip_port = f"127.0.0.1:{free_port()}"
+        self.state_dir = run.root / f"state-{name}"
+        self.state_dir.mkdir()
+        self.kvcm_link: FaultProxy | None = None
+        self.sidecar: Proc | None = None
+        self.engine_down = False
+        self.engine_paused = False
+        self.sidecar_paused = False
+        self.truth: set[tuple[int, str]] = set()
+        self.truth_at = 0.0
+        self.incarnations = 0
+
+    # engine side (subclasses)
+    async def start_engine(self) -> None:
+        raise NotImplementedError
+
+    async def kill_engine(self) -> None:
+        raise NotImplementedError
+
+    def engine_pid(self) -> int | None:
+        raise NotImplementedError
+
+    async def work(self) -> None:
+        """One workload step (updates `truth`)."""
+        raise NotImplementedError
+
+    async def quiesce(self) -> set[tuple[int, str]]:
+        """Stop the workload; the engine's final truth."""
+        raise NotImplementedError
+
+    def sidecar_settings(self) -> dict[str, str]:
+        raise NotImplementedError
+
+    # sidecar side
+    async def start_sidecar(self) -> None:
+        assert self.kvcm_link is not None
+        settings = {
+            **SIDECAR_SETTINGS,
+            "manager.endpoint": f"http://{self.kvcm_link.address}",
+            "identity.instance_id": self.instance_id,
+            "identity.host_ip_port": self.host_ip_port,
+            "identity.lock_dir": str(self.run.root),
+            "http.metrics_addr": "127.0.0.1:0",
+            "log.format": "json",
+            "source.state_dir": str(self.state_dir),
+            "report.periodic_snapshot_s": str(PERIODIC_SNAPSHOT_S),
+            **self.sidecar_settings(),
+        }
+        # -P: the interpreter's own `sidecar` (--sidecar-python), never the one in the cwd
+        argv = [self.run.sidecar_python, "-P", "-m", "sidecar.cli", "run"]
+        for k, v in settings.items():
+            argv += ["--set", f"{k}={v}"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KV_CACHE_EVENT_")}
+        self.sidecar = await spawn(f"sidecar-{self.name}", *argv, env=env, tasks=self.run.tasks)
+        await self.sidecar.expect(
+            lambda x: isinstance(x, dict) and "http listening" in str(x.get("msg", "")), 30
+        )
+
+    def sidecar_pid(self) -> int | None:
+        p = self.sidecar
+        return p.p.pid if p is not None and p.p.returncode is None else None
+
+    async def kill_sidecar(self) -> None:
+        if self.sidecar is not None:
+            await self.sidecar.stop(signal.SIGKILL)
+            self.sidecar = None
+
+
+class RingHost(Host):
+    """A ring engine (sidecar/testbed/ring_engine.py `cache` or `plain`, or the C producer)."""
+
+    def __init__(self, name: str, run: Run) -> None:
+        super().__init__(name, run)
+        self.ring = f"/kvcm-chaos-{os.getpid()}-{name}"
+        self.engine: Proc | None = None
+        self.capacity = 4096
+        self.seed = run.seed * 100 + SOURCES.index(name)
+        self.lock = asyncio.Lock()  # one command in flight
+
+    def argv(self) -> list[str]:
+        args = {
+            "ring": self.ring,
+            "instance_id": self.instance_id,
+            "capacity": self.capacity,
+            "seed": self.seed + self.incarnations,
+            "blocks": self.run.keys,
+        }
+        if self.name == "c":
+            assert self.run.c_engine is not None
+            return [str(self.run.c_engine), "cache", self.ring, self.instance_id]
+        mode = "cache" if self.name == "ring" else "plain"
+        return [sys.executable, "-m", "sidecar.testbed.ring_engine", mode, json.dumps(args)]
+
+    async def start_engine(self) -> None:
+        argv = self.argv()
+        if self.name == "c":
+            argv += [str(self.capacity), str(self.seed + self.incarnations), "1"]
+        self.engine = await spawn(f"engine-{self.name}", *argv, tasks=self.run.tasks)
+        ready = await self.engine.expect(lambda x: isinstance(x, dict) and "ready" in x, 30)
+        assert ready["ready"], ready
+        self.incarnations += 1
+        self.engine_down = False
+        self.truth, self.truth_at = set(), time.monotonic()
+
+    async def kill_engine(self) -> None:
+        async with self.lock:
+            if self.engine is not None:
+                await self.engine.stop(signal.SIGKILL)
+                self.engine = None
+            self.engine_down = True
+            self.truth, self.truth_at = set(), time.monotonic()  # its cache died with it
+
+    def engine_pid(self) -> int | None:
+        e = self.engine
+        return e.p.pid if e is not None and e.p.returncode is None else None
+
+    async def command(self, **cmd: Any) -> None:
+        async with self.lock:
+            e = self.engine
+            if e is None or self.engine_paused:
+                return
+            e.new_stats.clear()
+            await e.send(json.dumps(cmd))
+            async with asyncio.timeout(60):
+                while "published" not in e.last or not e.new_stats.is_set():
+                    await e.new_stats.wait()  # a reply carries stats: Proc keeps it as `last`
+            reply = e.last
+            e.last = {}
+            self.truth = {(int(k), "hbm") for k in reply["published"]}
+            self.truth_at = time.monotonic()
+
+    async def work(self) -> None:
+        await self.command(op="work", n=self.run.rng_work.randrange(5, 40))
+
+    async def flood(self) -> None:
+        await self.command(op="flood", n=self.capacity * 10)
+
+    async def quiesce(self) -> set[tuple[int, str]]:
+        await self.command(op="work", n=1)
+        return set(self.truth)
+
+    def sidecar_settings(self) -> dict[str, str]:
+        return {"source.kind": "ring", "ring.name": self.ring}
+
+
+class ZmqHost(Host):
+    """A vLLM- or SGLang-format ZMQ publisher (sidecar/testbed/zmq_publisher.py), its PUB and
+    replay links through proxies."""
+
+    def __init__(self, name: str, run: Run) -> None:
+        super().__init__(name, run)
+        self.pub_port, self.rep_port = free_port(), free_port()
+        self.pub_link: FaultProxy | None = None
+        self.rep_link: FaultProxy | None = None
+        self.engine: Any = None  # PublisherProcess
+        self.hidden_dir: Path | None = None
+
+    async def start_engine(self) -> None:
+        from sidecar.testbed.zmq_publisher import PublisherProcess
+
+        def start() -> Any:
+            return PublisherProcess(
+                flavour=self.name,
+                encoding="positional" if self.name == "sglang" else "map",
+                endpoint=f"tcp://127.0.0.1:{self.pub_port}",
+                replay_endpoint=f"tcp://127.0.0.1:{self.rep_port}",
+                bind=True,
+            )
+
+        self.engine = await asyncio.to_thread(start)
+        self.incarnations += 1
+        self.engine_down = False
+        self.truth, self.truth_at = set(), time.monotonic()
+        await self.call(
+            "workload",
+            events=0,
+            rate=self.run.zmq_rate,
+            batch_events=4,
+            blocks_per_event=2,
+            mediums=["GPU", "CPU"] if self.name == "vllm" else ["GPU", "CPU_PINNED"],
+            max_held=self.run.keys,
+            dup_prob=0.2,
+            seed=self.run.seed * 100 + self.incarnations,
+        )
+
+    async def call(self, cmd: str, **kw: Any) -> dict[str, Any] | None:
+        e = self.engine
+        if e is None or self.engine_paused:
+            return None
+        out: dict[str, Any] = await asyncio.to_thread(e.call, cmd, 30.0, **kw)
+        return out
+
+    async def kill_engine(self) -> None:
+        e, self.engine = self.engine, None
+        if e is not None:
+            await asyncio.to_thread(e.kill)
+        self.engine_down = True
+        self.truth, self.truth_at = set(), time.monotonic()
+
+    def engine_pid(self) -> int | None:
+        e = self.engine
+        return e.p.pid if e is not None and e.p.poll() is None else None
+
+    def _held(self, truth: dict[str, Any]) -> set[tuple[int, str]]:
+        return {(int(k), ZMQ_KVCM_MEDIUM.get(m, m)) for k, m, *_ in truth["held"]}
+
+    async def work(self) -> None:
+        t = await self.call("truth", group=0)
+        if t is not None:
+            self.truth, self.truth_at = self._held(t), time.monotonic()
+
+    async def quiesce(self) -> set[tuple[int, str]]:
+        if self.engine is not None:
+            await self.call("stop")
+            await self.work()
+        return set(self.truth)
+
+    def sidecar_settings(self) -> dict[str, str]:
+        assert self.pub_link is not None and self.rep_link is not None
+        return {
+            "source.kind": "zmq",
+            "source.zmq.endpoint": f"tcp://{self.pub_link.address}",
+            "source.zmq.replay_endpoint": f"tcp://{self.rep_link.address}",
+            "source.zmq.bind": "false",
+        }
+
+    def checkpoint_unwritable(self) -> None:
+        """The state directory becomes a file (root ignores mode bits: a chmod would not do)."""
+        if self.hidden_dir is None:
+            self.hidden_dir = self.state_dir.with_name(self.state_dir.name + ".hidden")
+            self.state_dir.rename(self.hidden_dir)
+            self.state_dir.write_text("not a directory\n")
+
+    def checkpoint_writable(self) -> None:
+        if self.hidden_dir is not None:
+            self.state_dir.unlink()
+            self.hidden_dir.rename(self.state_dir)
+            self.hidden_dir = None
+
+
+# ---- the run -----------------------------------------------------------------------------
+@dataclass
+class Violation:
+    kind: str  # stale | resurrected | diverged
+    host: str
+    at: float
+    keys: list[Any]
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class Run:
+    def __init__(self, args: argparse.Namespace, root: Path) -> None:
+        self.seed: int = args.seed
+        self.duration: float = args.duration
+        self.sources: list[str] = args.sources
+        self.keys: int = args.keys
+        self.zmq_rate: float = args.zmq_rate
+        self.sidecar_python: str = args.sidecar_python or sys.executable
+        self.root = root
+        self.tasks: list[asyncio.Task[None]] = []
+        self.kvcm = Kvcm(root, self.tasks)
+        self.hosts: dict[str, Host] = {}
+        self.plan = schedule(self.seed, self.duration, list(self.sources))
+        self.rng_work = random.Random(self.seed ^ 0x5EED)
+        self.c_engine: Path | None = None
+        self.t0 = 0.0
+        self.violations: list[Violation] = []
+        self.injected: dict[str, int] = {}
+        self.active: list[tuple[float, float, str]] = []  # (start, end, target) of faults
+        self.stale_since: dict[str, dict[tuple[int, str], float]] = {}
+        self.gone: dict[str, set[tuple[int, str]]] = {}  # removals KVCM was seen to apply
+        self.history: dict[str, list[tuple[float, set[Any], set[Any]]]] = {}
+        self.resources: list[dict[str, Any]] = []
+        self.stop_work = asyncio.Event()
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def say(self, **obj: Any) -> None:
+        sys.stdout.write(json.dumps(obj, default=str) + "\n")
+        sys.stdout.flush()
+
+    async def setup(self) -> None:
+        if "c" in self.sources:
+            from sidecar.testbed import cbuild
+
+            self.c_engine = await asyncio.to_thread(cbuild.build, "kvcm_test_engine.c")
+        await self.kvcm.start()
+        for name in self.sources:
+            h: Host = ZmqHost(name, self) if name in ("vllm", "sglang") else RingHost(name, self)
+            h.kvcm_link = await FaultProxy("127.0.0.1", self.kvcm.port).start()
+            if isinstance(h, ZmqHost):
+                h.pub_link = await FaultProxy("127.0.0.1", h.pub_port).start()
+                h.rep_link = await FaultProxy("127.0.0.1", h.rep_port).start()
+            self.hosts[name] = h
+            self.stale_since[name] = {}
+            self.gone[name] = set()
+            self.history[name] = []
+        for h in self.hosts.values():
+            await h.start_engine()
+            await h.start_sidecar()
+
+    async def teardown(self) -> None:
+        for h in self.hosts.values():
+            for pid in (h.engine_pid(), h.sidecar_pid()):
+                if pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
+            if isinstance(h, ZmqHost):
+                h.checkpoint_writable()
+            if h.sidecar is not None:
+                with contextlib.suppress(TimeoutError, ProcessLookupError):
+                    await h.sidecar.stop(signal.SIGKILL)
+            if isinstance(h, RingHost) and h.engine is not None:
+                with contextlib.suppress(TimeoutError, ProcessLookupError):
+                    await h.engine.stop(signal.SIGKILL)
+            if isinstance(h, ZmqHost) and h.engine is not None:
+                await asyncio.to_thread(h.engine.close)
+            for link in (h.kvcm_link, getattr(h, "pub_link", None), getattr(h, "rep_link", None)):
+                if link is not None:
+                    await link.close()
+            if isinstance(h, RingHost):
+                from sidecar.shm_ring.segment import unlink
+
+                unlink(h.ring)
+        with contextlib.suppress(TimeoutError, ProcessLookupError):
+            await self.kvcm.stop()
+        for t in self.tasks:
+            t.cancel()
+
+    # ---- workloads and the checker's samples ------------------------------------------
+    async def workload(self, h: Host) -> None:
+        while not self.stop_work.is_set():
+            if not h.engine_down and not h.engine_paused:
+                with contextlib.suppress(TimeoutError, EOFError, OSError, RuntimeError, ValueError):
+                    await h.work()
+            await asyncio.sleep(0.05 if isinstance(h, RingHost) else 0.2)  # the engine's pace
+
+    def bound(self, name: str, since: float, now: float) -> float:
+        """How long a removed key may stay visible: flush + RTT + the periodic snapshot + the
+        faults that touched this host (or KVCM) while it waited, + KVCM's liveness timeout
+        when one did (a dead sidecar's keys stay until then)."""
+        touched = sum(
+            min(end, now) - max(start, since)
+            for start, end, target in self.active
+            if target in (name, "kvcm") and start < now and end > since
+        )
+        liveness = HEARTBEAT_TIMEOUT_MS / 1000 + 1.0 if touched else 0.0
+        return FLUSH_RTT_S + PERIODIC_SNAPSHOT_S + touched + liveness
+
+    async def sampler(self, s: aiohttp.ClientSession) -> None:
+        while not self.stop_work.is_set():
+            view = await self.kvcm.view(s)
+            now = self.now()
+            if view is not None:
+                for name, h in self.hosts.items():
+                    self.check_sample(name, h, view.get(h.host_ip_port, set()), now)
+            self.sample_resources(now)
+            await asyncio.sleep(SAMPLE_S)
+
+    def check_sample(self, name: str, h: Host, seen: set[Any], now: float) -> None:
+        truth = h.truth
+        hist = self.history[name]
+        hist.append((now, truth, seen))
+        del hist[:-400]
+        stale = self.stale_since[name]
+        extra = seen - truth
+        for k in list(stale):
+            if k not in extra:
+                del stale[k]
+        late: list[Any] = []
+        for k in extra:
+            since = stale.setdefault(k, now)
+            if now - since > self.bound(name, since, now):
+                late.append(k)
+        if late:
+            self.violate("stale", name, now, sorted(late)[:10], since=min(stale[k] for k in late))
+            for k in late:
+                stale[k] = now  # reported once per bound, not at every sample
+        # A removal KVCM was seen to apply (gone from the view and from the truth); such a
+        # key back in the view, while the engine still lacks it, is a resurrection. Under a
+        # fault on this host the stale bound judges it instead (a removal can lag then).
+        gone = self.gone[name]
+        calm = not any(t in (name, "kvcm") and s0 <= now <= e0 for s0, e0, t in self.active)
+        back = {k for k in gone & seen if k not in truth} if calm else set()
+        if back and len(hist) >= 2:
+            again = {k for k in back if k in hist[-2][2] and k not in hist[-2][1]}  # twice
+            if again:
+                self.violate("resurrected", name, now, sorted(again)[:10])
+                gone -= again
+        gone -= truth
+        if len(hist) >= 3 and calm and seen:  # the reporter visible: a removal, not a hiding
+            (_, t1, s1), (_, t2, s2) = hist[-3], hist[-2]
+            gone |= {k for k in s1 - s2 - seen if k not in t1 | t2 | truth}
+        if len(gone) > 200_000:
+            gone.clear()
+
+    def violate(self, kind: str, host: str, at: float, keys: list[Any], **detail: Any) -> None:
+        v = Violation(kind, host, round(at, 3), keys, detail)
+        self.violations.append(v)
+        self.say(violation=asdict(v), history=self.key_history(host, keys[:3]))
+
+    def key_history(self, host: str, keys: list[Any]) -> dict[str, Any]:
+        """What the samples saw of these keys: when the engine held them, when KVCM showed them."""
+        out: dict[str, Any] = {}
+        for k in keys:
+            rows = [
+                (round(t, 2), k in truth, k in seen) for t, truth, seen in self.history[host][-60:]
+            ]
+            changes = [r for i, r in enumerate(rows) if i == 0 or r[1:] != rows[i - 1][1:]]
+            out[str(k)] = {"(t, engine_holds, kvcm_shows)": changes}
+        return out
+
+    def sample_resources(self, now: float) -> None:
+        row: dict[str, Any] = {"t": round(now, 2)}
+        for name, h in self.hosts.items():
+            pid = h.sidecar_pid()
+            if pid is None:
+                continue
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+                rss = next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS"))
+                fds = len(os.listdir(f"/proc/{pid}/fd"))
+            except (OSError, StopIteration, ValueError):
+                continue
+            row[name] = {"rss_kb": rss, "fds": fds, "pid": pid}
+        self.resources.append(row)
+
+    def leaks(self) -> dict[str, Any]:
+        """Per sidecar process that lived at least LEAK_MIN_S: RSS growth (MB per hour, a
+        least-squares slope over its second half, after warm-up) and its fd count range then."""
+        series: dict[tuple[str, int], list[tuple[float, int, int]]] = {}
+        for row in self.resources:
+            for name, v in row.items():
+                if name != "t":
+                    series.setdefault((name, v["pid"]), []).append(
+                        (row["t"], v["rss_kb"], v["fds"])
+                    )
+        out: dict[str, Any] = {}
+        for (name, pid), pts in series.items():
+            if pts[-1][0] - pts[0][0] < LEAK_MIN_S:
+                continue
+            half = [p for p in pts if p[0] >= (pts[0][0] + pts[-1][0]) / 2]
+            n = len(half)
+            mt = sum(p[0] for p in half) / n
+            mr = sum(p[1] for p in half) / n
+            var = sum((p[0] - mt) ** 2 for p in half) or 1.0
+            slope_kb_s = sum((p[0] - mt) * (p[1] - mr) for p in half) / var
+            out[f"{name}:{pid}"] = {
+                "lived_s": round(pts[-1][0] - pts[0][0], 1),
+                "rss_mb_first_last": [round(pts[0][1] / 1024, 1), round(pts[-1][1] / 1024, 1)],
+                "rss_growth_mb_per_h": round(slope_kb_s * 3600 / 1024, 2),
+                "fds_second_half": [min(p[2] for p in half), max(p[2] for p in half)],
+            }
+        return out
+
+    # ---- the nemesis ----------------------------------------------------------------------
+    async def nemesis(self, s: aiohttp.ClientSession) -> None:
+        running: list[asyncio.Task[None]] = []
+        for f in self.plan:
+            delay = f.at - self.now()
+            if delay > 0:
+                await asyncio.sleep(delay)  # the schedule's own clock
+            self.injected[f.kind] = self.injected.get(f.kind, 0) + 1
+            self.active.append((self.now(), self.now() + self.aftermath(f), f.target))
+            running.append(asyncio.create_task(self.inject(s, f)))
+        await asyncio.gather(*running, return_exceptions=False)
+
+    @staticmethod
+    def aftermath(f: Fault) -> float:
+        """How long a fault's effects may last: its hold, then what follows it (a held
+        request lands after its client gave up; a dead reporter stays visible until KVCM's
+        liveness timeout; an ambiguous request's reconciling snapshot waits)."""
+        tail = 0.5 + FLUSH_RTT_S
+        if f.kind == "kvcm_slow":
+            tail += f.detail["delay_ms"] / 1000 + 1.0  # + report.ambiguous_snapshot_delay_s
+        if f.kind in ("sidecar_kill", "sidecar_stop", "link_partition", "engine_kill"):
+            tail += HEARTBEAT_TIMEOUT_MS / 1000 + 1.5  # + engine.stale_after_s
+        return f.hold + tail
+
+    async def inject(self, s: aiohttp.ClientSession, f: Fault) -> None:
+        h = self.hosts.get(f.target)
+        k = f.kind
+        if k == "sidecar_kill" and h is not None and h.sidecar is not None:
+            await h.kill_sidecar()
+            await asyncio.sleep(f.hold)
+            await h.start_sidecar()
+        elif k in ("sidecar_stop", "engine_stop") and h is not None:
+            pid = h.sidecar_pid() if k == "sidecar_stop" else h.engine_pid()
+            if pid is None:
+                return
+            flag = "sidecar_paused" if k == "sidecar_stop" else "engine_paused"
+            if getattr(h, flag):
+                return
+            setattr(h, flag, True)
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(f.hold)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+            setattr(h, flag, False)
+        elif k == "engine_kill" and h is not None and not h.engine_down and not h.engine_paused:
+            await h.kill_engine()
+            await asyncio.sleep(f.hold)
+            await h.start_engine()
+        elif k in ("kvcm_restart", "kvcm_reset"):
+            await self.kvcm.stop(lose_state=k == "kvcm_reset")
+            await asyncio.sleep(f.hold)
+            await self.kvcm.start()
+        elif k == "kvcm_503":
+            route = {"reportEvent": {"count": -1, "status": 503}}
+            await self.kvcm.faults(s, {"routes": route})
+            await asyncio.sleep(f.hold)
+            await self.kvcm.faults(s, {"clear": True})
+        elif k == "kvcm_slow":
+            route = {"reportEvent": {"count": -1, "delay_ms": f.detail["delay_ms"]}}
+            await self.kvcm.faults(s, {"routes": route})
+            await asyncio.sleep(f.hold)
+            await self.kvcm.faults(s, {"clear": True})
+        elif k in ("link_partition", "link_cut") and h is not None and h.kvcm_link is not None:
+            if k == "link_cut":
+                h.kvcm_link.cut()
+                return
+            h.kvcm_link.blackhole()
+            await asyncio.sleep(f.hold)
+            h.kvcm_link.heal()
+        elif isinstance(h, ZmqHost):
+            await self.inject_zmq(h, f)
+        elif k == "ring_overflow" and isinstance(h, RingHost):
+            with contextlib.suppress(TimeoutError, EOFError, OSError):
+                await h.flood()
+
+    async def inject_zmq(self, h: ZmqHost, f: Fault) -> None:
+        assert h.pub_link is not None and h.rep_link is not None
+        if f.kind == "zmq_cut":
+            h.pub_link.cut()
+        elif f.kind == "zmq_partition":
+            links = [h.pub_link] + ([h.rep_link] if f.detail["links"] == "both" else [])
+            for link in links:
+                link.blackhole()
+            await asyncio.sleep(f.hold)
+            for link in links:
+                link.heal()
+        elif f.kind == "zmq_restart" and not h.engine_down:
+            with contextlib.suppress(TimeoutError, EOFError, OSError, RuntimeError, ValueError):
+                await h.call("restart")
+        elif f.kind == "checkpoint_unwritable":
+            h.checkpoint_unwritable()
+            await asyncio.sleep(f.hold)
+            h.checkpoint_writable()
+
+    # ---- the end: heal, quiesce, converge ------------------------------------------------
+    async def converge(self, s: aiohttp.ClientSession) -> dict[str, Any]:
+        for h in self.hosts.values():
+            for link in (h.kvcm_link, getattr(h, "pub_link", None), getattr(h, "rep_link", None)):
+                if link is not None:
+                    link.heal()
+            if h.engine_down:
+                await h.start_engine()
+            if h.sidecar is None:
+                await h.start_sidecar()
+        await self.kvcm.faults(s, {"clear": True})
+        truths = {name: await h.quiesce() for name, h in self.hosts.items()}
+        t_heal = time.monotonic()
+        left = set(self.hosts)
+        seen: dict[str, set[Any]] = {}
+        deadline = t_heal + CONVERGE_S
+        took: dict[str, float] = {}
+        while left and time.monotonic() < deadline:
+            view = await self.kvcm.view(s)
+            if view is not None:
+                for name in list(left):
+                    seen[name] = view.get(self.hosts[name].host_ip_port, set())
+                    if seen[name] == truths[name]:
+                        took[name] = round(time.monotonic() - t_heal, 3)
+                        left.discard(name)
+            await asyncio.sleep(0.1)  # polling another process, bounded by the deadline
+        for name in sorted(left):
+            want, got = truths[name], seen.get(name, set())
+            self.violate(
+                "diverged",
+                name,
+                self.now(),
+                sorted(want ^ got)[:10],
+                missing=len(want - got),
+                extra=len(got - want),
+                sidecar_log_tail=self.sidecar_tail(name),
+            )
+        return {"converged_s": took, "held": {n: len(t) for n, t in truths.items()}}
+
+    def sidecar_tail(self, name: str) -> list[Any]:
+        p = self.hosts[name].sidecar
+        if p is None:
+            return []
+        items: list[Any] = []
+        while not p.lines.empty():
+            items.append(p.lines.get_nowait())
+        return [x.get("msg") if isinstance(x, dict) else x for x in items[-15:]]
+
+    async def main(self) -> dict[str, Any]:
+        self.say(seed=self.seed, duration=self.duration, sources=self.sources)
+        for f in self.plan:
+            self.say(fault=asdict(f))
+        async with aiohttp.ClientSession() as s:
+            try:
+                await self.setup()
+                self.t0 = time.monotonic()
+                work = [asyncio.create_task(self.workload(h)) for h in self.hosts.values()]
+                sampler = asyncio.create_task(self.sampler(s))
+                await self.nemesis(s)
+                self.stop_work.set()
+                await asyncio.gather(*work, sampler)
+                end = await self.converge(s)
+            finally:
+                await self.teardown()
+        summary = {
+            "seed": self.seed,
+            "duration_s": self.duration,
+            "sources": self.sources,
+            "faults": dict(sorted(self.injected.items())),
+            "violations": [asdict(v) for v in self.violations],
+            **end,
+            "leaks": self.leaks(),
+            "resources": self.resources[:: max(1, len(self.resources) // 40)],
+        }
+        self.say(summary=summary)
+        return summary
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m sidecar.testbed.chaos", description=__doc__)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds of faults")
+    ap.add_argument("--sources", default=",".join(SOURCES), help=f"any of {','.join(SOURCES)}")
+    ap.add_argument("--keys", type=int, default=512, help="ring cache blocks / ZMQ window")
+    ap.add_argument("--zmq-rate", type=float, default=400.0, help="ZMQ block events per second")
+    ap.add_argument("--json", type=Path, help="write the summary here")
+    ap.add_argument("--sidecar-python", help="the interpreter whose `sidecar` runs as the sidecars")
+    ap.add_argument("--seeds", type=int, default=1, help="run this many seeds from --seed on")
+    args = ap.parse_args(argv)
+    args.sources = [x for x in args.sources.split(",") if x]
+    bad = [x for x in args.sources if x not in SOURCES]
+    if bad or not args.sources:
+        ap.error(f"--sources: unknown {bad} (choose from {', '.join(SOURCES)})")
+    if args.duration <= 0 or args.keys < 16 or args.seeds < 1:
+        ap.error("--duration must be > 0, --keys >= 16, --seeds >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    summaries = []
+    first = args.seed
+    for seed in range(first, first + args.seeds):
+        args.seed = seed
+        root = Path(tempfile.mkdtemp(prefix=f"kvcm-chaos-{seed}-"))
+        try:
+            summaries.append(asyncio.run(Run(args, root).main()))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps(summaries if args.seeds > 1 else summaries[0], indent=1))
+    return 1 if any(s["violations"] for s in summaries) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
