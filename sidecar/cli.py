@@ -286,7 +286,9 @@ async def run_kvcm_server(args: argparse.Namespace) -> None:
     if split:
         apps.append(("admin", server.app(meta=False), args.admin_port))
     for role, app, port in apps:
-        runner = web.AppRunner(app, access_log=None)
+        # A request whose body never finishes arriving (a partitioned client) must not hold a
+        # restart for aiohttp's default 60 s.
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=3.0)
         await runner.setup()
         site = web.TCPSite(runner, args.host, port)
         await site.start()

@@ -99,12 +99,16 @@ class Fault:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
-def schedule(seed: int, duration: float, hosts: list[str]) -> list[Fault]:
-    """The nemesis' plan, from the seed alone: one fault every 0.4-1.6 s, overlapping."""
+def schedule(
+    seed: int, duration: float, hosts: list[str], only: list[str] | None = None
+) -> list[Fault]:
+    """The nemesis' plan, from the seed alone: one fault every 0.4-1.6 s, overlapping (`only`:
+    these kinds alone, to focus a long run on one subsystem)."""
     rng = random.Random(seed)
     zmq = [h for h in hosts if h in ("vllm", "sglang")]
     ring = [h for h in hosts if h in ("ring", "plain", "c")]
     kinds = [k for k, (t, _) in FAULTS.items() if (t != "zmq" or zmq) and (t != "ring" or ring)]
+    kinds = [k for k in kinds if only is None or k in only] or kinds
     out: list[Fault] = []
     t = rng.uniform(0.5, 1.5)
     while t < duration:
@@ -145,6 +149,7 @@ class Kvcm:
         self.tasks = tasks
         self.proc: Proc | None = None
         self.url = f"http://127.0.0.1:{self.port}"
+        self.restarting = asyncio.Lock()
 
     async def start(self) -> None:
         self.proc = await spawn(
@@ -170,7 +175,10 @@ class Kvcm:
 
     async def stop(self, lose_state: bool = False) -> None:
         if self.proc is not None:
-            await self.proc.stop(signal.SIGTERM)  # the state file is written at shutdown
+            try:
+                await self.proc.stop(signal.SIGTERM)  # the state file is written at shutdown
+            except TimeoutError:
+                await self.proc.stop(signal.SIGKILL)  # a crash, then: what was saved survives
             self.proc = None
         if lose_state:
             self.state_file.unlink(missing_ok=True)
@@ -340,7 +348,8 @@ class RingHost(Host):
             self.truth_at = time.monotonic()
 
     async def work(self) -> None:
-        await self.command(op="work", n=self.run.rng_work.randrange(5, 40))
+        scale = max(1, self.run.keys // 2000)  # a bigger cache fills as fast
+        await self.command(op="work", n=self.run.rng_work.randrange(5, 40) * scale)
 
     async def flood(self) -> None:
         await self.command(op="flood", n=self.capacity * 10)
@@ -470,7 +479,7 @@ class Run:
         self.tasks: list[asyncio.Task[None]] = []
         self.kvcm = Kvcm(root, self.tasks)
         self.hosts: dict[str, Host] = {}
-        self.plan = schedule(self.seed, self.duration, list(self.sources))
+        self.plan = schedule(self.seed, self.duration, list(self.sources), args.faults)
         self.rng_work = random.Random(self.seed ^ 0x5EED)
         self.c_engine: Path | None = None
         self.t0 = 0.0
@@ -713,9 +722,12 @@ class Run:
             await asyncio.sleep(f.hold)
             await h.start_engine()
         elif k in ("kvcm_restart", "kvcm_reset"):
-            await self.kvcm.stop(lose_state=k == "kvcm_reset")
-            await asyncio.sleep(f.hold)
-            await self.kvcm.start()
+            if self.kvcm.restarting.locked():
+                return  # one restart at a time: the port is the server's own
+            async with self.kvcm.restarting:
+                await self.kvcm.stop(lose_state=k == "kvcm_reset")
+                await asyncio.sleep(f.hold)
+                await self.kvcm.start()
         elif k == "kvcm_503":
             route = {"reportEvent": {"count": -1, "status": 503}}
             await self.kvcm.faults(s, {"routes": route})
@@ -846,7 +858,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, help="write the summary here")
     ap.add_argument("--sidecar-python", help="the interpreter whose `sidecar` runs as the sidecars")
     ap.add_argument("--seeds", type=int, default=1, help="run this many seeds from --seed on")
+    ap.add_argument("--faults", help=f"only these fault kinds (of {','.join(FAULTS)})")
     args = ap.parse_args(argv)
+    args.faults = args.faults.split(",") if args.faults else None
+    if args.faults and (unknown := [f for f in args.faults if f not in FAULTS]):
+        ap.error(f"--faults: unknown {unknown}")
     args.sources = [x for x in args.sources.split(",") if x]
     bad = [x for x in args.sources if x not in SOURCES]
     if bad or not args.sources:
@@ -856,8 +872,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM as ^C: the run's teardown still stops every child
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
     summaries = []
     first = args.seed
     for seed in range(first, first + args.seeds):

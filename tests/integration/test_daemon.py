@@ -377,3 +377,28 @@ async def test_daemon_straggling_delta_is_corrected_by_a_snapshot(tmp_path: Path
         assert _metric(m, "kvcm_sidecar_ambiguous_deltas_total") >= 1
     finally:
         await h.close()
+
+
+async def test_daemon_keys_removed_while_a_big_first_snapshot_is_in_flight_are_deleted(
+    h: Harness,
+) -> None:
+    """Issue #24 §1 end to end: an engine holds 40 000 keys when its sidecar starts, KVCM holds
+    the first snapshot, and the engine removes 2 % meanwhile. Before the fix the commit re-indexed
+    the key table and acked nothing: every key was sent again as an ADD and the removed ones
+    stayed in KVCM until the periodic snapshot (300 s)."""
+    h.engine_mode = "plain"
+    h.capacity = 1 << 17
+    h.start_engine()
+    keys = list(range(1, 40_001))
+    h.engine_cmd(op="store", keys=keys)
+    hold = {"event": "EVENT_BLOCK_SNAPSHOT", "count": 1, "delay_ms": 1500}
+    await h.faults(routes={"reportEvent": hold})
+    h.server.faults.taken.clear()
+    h.start_sidecar()
+    async with asyncio.timeout(20):
+        await h.server.faults.taken.wait()  # the snapshot is held by KVCM now
+    h.engine_cmd(op="remove", keys=keys[::50])  # 800 keys, 2 %
+    await h.faults(clear=True)
+    await h.converge(within_s=20)  # far below the periodic snapshot: the deltas did it
+    st = await h.status()
+    assert st["published"] == 39_200 and st["acked"] == 39_200 and st["dirty"] == 0
