@@ -227,6 +227,11 @@ class Host:
         self.truth: set[tuple[int, str]] = set()
         self.truth_at = 0.0
         self.incarnations = 0
+        # One lifecycle fault at a time per process: a second kill of a sidecar being
+        # restarted would start two sidecars for one identity (the second exits 3).
+        self.sidecar_busy = asyncio.Lock()
+        self.metrics_port = 0
+        self.engine_busy = asyncio.Lock()
 
     # engine side (subclasses)
     async def start_engine(self) -> None:
@@ -269,10 +274,17 @@ class Host:
         for k, v in settings.items():
             argv += ["--set", f"{k}={v}"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KV_CACHE_EVENT_")}
-        self.sidecar = await spawn(f"sidecar-{self.name}", *argv, env=env, tasks=self.run.tasks)
-        await self.sidecar.expect(
-            lambda x: isinstance(x, dict) and "http listening" in str(x.get("msg", "")), 30
-        )
+        self.sidecar = p = await spawn(f"sidecar-{self.name}", *argv, env=env, tasks=self.run.tasks)
+        try:
+            line = await p.expect(
+                lambda x: isinstance(x, dict) and "http listening" in str(x.get("msg", "")), 30
+            )
+            self.metrics_port = int(line["msg"].rsplit(":", 1)[1])
+        except TimeoutError:
+            tail = [p.lines.get_nowait() for _ in range(p.lines.qsize())][-10:]
+            raise RuntimeError(
+                f"sidecar {self.name} did not start (rc={p.p.returncode}): {tail}"
+            ) from None
 
     def sidecar_pid(self) -> int | None:
         p = self.sidecar
@@ -302,6 +314,9 @@ class RingHost(Host):
             "capacity": self.capacity,
             "seed": self.seed + self.incarnations,
             "blocks": self.run.keys,
+            # A big cache is not reset every few hundred operations: it fills (to ~65 % of
+            # 4 x keys) and churns, so its snapshots are as big as a busy engine's.
+            "clear_prob": 0.003 if self.run.keys < 4096 else 0.0,
         }
         if self.name == "c":
             assert self.run.c_engine is not None
@@ -701,9 +716,12 @@ class Run:
         h = self.hosts.get(f.target)
         k = f.kind
         if k == "sidecar_kill" and h is not None and h.sidecar is not None:
-            await h.kill_sidecar()
-            await asyncio.sleep(f.hold)
-            await h.start_sidecar()
+            if h.sidecar_busy.locked():
+                return
+            async with h.sidecar_busy:
+                await h.kill_sidecar()
+                await asyncio.sleep(f.hold)
+                await h.start_sidecar()
         elif k in ("sidecar_stop", "engine_stop") and h is not None:
             pid = h.sidecar_pid() if k == "sidecar_stop" else h.engine_pid()
             if pid is None:
@@ -718,9 +736,12 @@ class Run:
                 os.kill(pid, signal.SIGCONT)
             setattr(h, flag, False)
         elif k == "engine_kill" and h is not None and not h.engine_down and not h.engine_paused:
-            await h.kill_engine()
-            await asyncio.sleep(f.hold)
-            await h.start_engine()
+            if h.engine_busy.locked():
+                return
+            async with h.engine_busy:
+                await h.kill_engine()
+                await asyncio.sleep(f.hold)
+                await h.start_engine()
         elif k in ("kvcm_restart", "kvcm_reset"):
             if self.kvcm.restarting.locked():
                 return  # one restart at a time: the port is the server's own
@@ -798,6 +819,12 @@ class Run:
             await asyncio.sleep(0.1)  # polling another process, bounded by the deadline
         for name in sorted(left):
             want, got = truths[name], seen.get(name, set())
+            status: dict[str, Any] = {}
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                port = self.hosts[name].metrics_port
+                async with s.get(f"http://127.0.0.1:{port}/status", timeout=_T2) as r:
+                    status = await r.json(content_type=None)
+            keep = ("state", "reason", "resyncs", "zmq_forgets", "zmq_replays", "zmq_recovery")
             self.violate(
                 "diverged",
                 name,
@@ -805,6 +832,7 @@ class Run:
                 sorted(want ^ got)[:10],
                 missing=len(want - got),
                 extra=len(got - want),
+                sidecar_status={k: status[k] for k in keep if k in status},
                 sidecar_log_tail=self.sidecar_tail(name),
             )
         return {"converged_s": took, "held": {n: len(t) for n, t in truths.items()}}

@@ -188,6 +188,7 @@ def plain(a: dict[str, Any]) -> None:
     rng = random.Random(a.get("seed", 0))
     held: set[int] = set()
     universe = a.get("blocks", 256) * 4
+    clear_prob = a.get("clear_prob", 0.003)  # 0: a big cache that fills and churns, never reset
     next_flood = 10**7
     _emit({"ready": True, "boot_id": hook.stats()["boot_id"]})
     for line in sys.stdin:
@@ -196,7 +197,7 @@ def plain(a: dict[str, Any]) -> None:
         if op == "work":
             for _ in range(cmd["n"]):
                 r = rng.random()
-                if r < 0.003:
+                if r < clear_prob:
                     hook.cleared()
                     held.clear()
                 elif r < 0.55:
