@@ -208,6 +208,14 @@ class Publisher:
         if result.response is not None and result.response.snapshot_required:
             self.need_snapshot = True
 
+    def leader_changed(self) -> None:
+        """KVCM's leader moved (kvcm_client.discovery): retry at once instead of waiting out a
+        backoff earned against the old one. A new leader answers as a restarted KVCM does, and
+        a request left in flight to the old one is ambiguous (the existing rules apply)."""
+        self.backoff.reset()
+        self.retry_at = 0.0
+        self.circuit_retry_at = 0.0
+
     # ---- engine identity and watch --------------------------------------------------------
     def load_identity(self) -> bool:
         try:
