@@ -186,8 +186,9 @@ class Discovery:
         return max(self.last_round_at + self.interval_s - now, 0.0)
 
     def _order(self) -> list[str]:
-        """The current leader first (authoritative when healthy), then the seeds in turn; the
-        URL that just failed last."""
+        """The current leader first (authoritative when healthy), then the seeds in turn. A
+        node that just answered SERVER_NOT_LEADER is up and knows the leader: it goes first; one
+        that did not answer goes last."""
         urls = [self.leader.url, *self.seeds]
         seen: list[str] = []
         for u in urls:
@@ -195,7 +196,10 @@ class Discovery:
                 seen.append(u)
         if self.suspect is not None and self.suspect[0] in seen:
             seen.remove(self.suspect[0])
-            seen.append(self.suspect[0])
+            if self.suspect[1] is Trigger.NOT_LEADER:
+                seen.insert(0, self.suspect[0])
+            else:
+                seen.append(self.suspect[0])
         return seen
 
     async def _ask(self, url: str) -> tuple[Outcome, Leader | None, bool, str]:

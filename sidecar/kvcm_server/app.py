@@ -177,7 +177,7 @@ class KvcmServer:
             routes.update(
                 {
                     "registerInstance": self.register_instance,
-                    "reportEvent": self.report.handle,
+                    "reportEvent": self.report_event,
                     "getInstanceInfo": self.get_instance_info,
                     "getCacheLocation": self.get_cache_location,
                     "getCacheLocationLen": self.get_cache_location_len,
@@ -346,6 +346,9 @@ class KvcmServer:
         return {"instance_group": g}
 
     # ---- meta ----------------------------------------------------------------------------
+    async def report_event(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await self.report.handle(req)  # self.report is replaced when leadership changes
+
     async def register_instance(self, req: dict[str, Any]) -> dict[str, Any]:
         return self.state.register_instance(req)
 
@@ -599,6 +602,7 @@ class KvcmServer:
             "leader_node_id": leader,
             "lease_left_s": c.lease_left_s() if c is not None else None,
             "elections": c.elections if c is not None else 0,
+            "elected_at": c.elected_at if c is not None else 0.0,  # time.monotonic()
         }
         return web.Response(body=P.encode(out), content_type="application/json")
 

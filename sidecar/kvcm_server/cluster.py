@@ -115,6 +115,7 @@ class Cluster:
         self.expires_in_s: float | None = None  # the holder's lease, as last read (followers)
         self.persisted: dict[str, bytes] = {}
         self.elections = 0
+        self.elected_at = 0.0  # clock() when this node last took the lease
         self.redis_errors = 0
         self.on_elected: Callable[[Meta], Awaitable[None]] | None = None
         self.on_deposed: Callable[[], None] | None = None
@@ -145,6 +146,7 @@ class Cluster:
                     self.deadline = sent + self.lease_s * (1 - DRIFT)
                     self.leading = True
                     self.elections += 1
+                    self.elected_at = self.clock()
                     log.info("kvcm cluster elected node_id=%s", self.node.node_id)
                     if self.on_elected is not None:
                         await self.on_elected(meta)
