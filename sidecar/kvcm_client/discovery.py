@@ -31,7 +31,7 @@ ROUTE = "getClusterInfo"
 BACKOFF_BASE_S = 0.1  # between rounds after a failure: full jitter, doubling up to the cap
 BACKOFF_CAP_S = 1.0
 MAX_ROUNDS = 30  # rounds per trigger (~15 s at the cap); the next failure starts again
-_HOST = re.compile(r"[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]")
+_HOST = re.compile(r"[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*")
 
 
 class Outcome(enum.StrEnum):
@@ -113,6 +113,8 @@ def parse(body: bytes) -> tuple[Outcome, Leader | None, bool, str]:
         return Outcome.MALFORMED, None, False, f"leader_node_id {leader_id!r} != {ep_id!r}"
     self_id = _field(raw, "self_node_id")
     named_self = bool(leader_id) and self_id == leader_id
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 address, as a URL writes it
     return Outcome.OK, Leader(f"http://{host}:{port}", leader_id), named_self, ""
 
 

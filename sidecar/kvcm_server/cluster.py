@@ -140,7 +140,10 @@ class Cluster:
                     self.deadline = sent + self.lease_s * (1 - DRIFT)
                 else:
                     self._depose("the lease is held by another node")
-            elif await self.redis.set(self.lease_key, self.token, nx=True, px=lease_ms):
+            elif await self.redis.set(
+                self.lease_key, self.token, nx=True, px=lease_ms
+            ) or await self._renew(keys=[self.lease_key], args=[self.token, lease_ms]):
+                # Taken now, or still ours from an election whose metadata load failed.
                 meta = await self.load_meta()
                 if self.clock() < sent + self.lease_s * (1 - DRIFT):
                     self.deadline = sent + self.lease_s * (1 - DRIFT)
