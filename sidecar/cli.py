@@ -351,6 +351,7 @@ async def run_kvcm_server(args: argparse.Namespace) -> None:
         if lease is not None:
             lease.cancel()
     if cluster is not None:
+        await server.save_blocks()  # what changed since the last save, while still the leader
         await cluster.release()  # before the listeners close: a follower takes over at once
     for runner in runners:
         await runner.cleanup()

@@ -113,13 +113,15 @@ class KvcmServer:
             self.bootstrap(group, event_report or {})
 
     # ---- cluster mode ----------------------------------------------------------------------
-    def _reset(self, meta: Meta | None) -> None:
+    def _reset(self, meta: Meta | None, blocks: bytes | None = None) -> None:
         """Start over as a restarted KVCM does: persisted metadata only (or nothing)."""
         self.state = State(self.state.clock)
         if meta is not None:
             self.state.storages = meta["storages"]
             self.state.groups = meta["groups"]
             self.state.instances = meta["instances"]
+        if blocks:
+            self.state.load_blocks(msgspec.json.decode(blocks))
         self.report = EventReport(self.state)
         self.sessions.clear()
         self.written.clear()
@@ -128,8 +130,8 @@ class KvcmServer:
         st = self.state
         return {"storages": st.storages, "groups": st.groups, "instances": st.instances}
 
-    async def _elected(self, meta: Meta) -> None:
-        self._reset(meta)
+    async def _elected(self, meta: Meta, blocks: bytes | None) -> None:
+        self._reset(meta, blocks)
         if self.bootstrap_args is not None:
             self.bootstrap(*self.bootstrap_args)
         assert self.cluster is not None
@@ -137,6 +139,19 @@ class KvcmServer:
 
     def _deposed(self) -> None:
         self._reset(None)  # a follower holds no reporters and answers nothing from memory
+
+    async def save_blocks(self) -> None:
+        """Cluster mode: the block metadata into Redis, encoded between requests."""
+        st = self.state
+        if not st.dirty or self.cluster is None or not self.cluster.is_leader():
+            return
+        st.dirty = False
+        pieces = []
+        for piece in st.block_pieces():
+            pieces.append(piece)
+            await asyncio.sleep(0)  # serve requests between pieces
+        if not await self.cluster.save_blocks(b"".join(pieces)) and st is self.state:
+            st.dirty = True
 
     def leader_now(self) -> bool:
         return self.cluster is None or self.cluster.is_leader()
@@ -211,7 +226,9 @@ class KvcmServer:
         async def loop() -> None:
             while True:
                 await asyncio.sleep(0.5)
-                if self.state.dirty:
+                if self.cluster is not None:
+                    await self.save_blocks()
+                elif self.state.dirty:
                     steps = self.state.save_steps()
                     try:
                         for _ in steps:

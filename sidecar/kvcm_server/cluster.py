@@ -2,9 +2,10 @@
 
 Imports: stdlib, msgspec, redis.asyncio (redis-py, the `cluster` extra; only the CLI imports
 this module, and only with --meta-storage redis://). Redis holds what KVCM persists: storages,
-instance groups, instances, and each node's endpoint. Reporter tables, generations, tombstones
-and block metadata stay in the leader's memory; a new leader starts without them, as a
-restarted KVCM does. Invariant (fencing): a node answers as the leader only while its local
+instance groups, instances (written through before the answer), block metadata (written behind,
+within half a second, like --state-file) and each node's endpoint. Reporter tables, generations
+and tombstones stay in the leader's memory: a new leader starts without them, as a restarted
+KVCM does. Invariant (fencing): a node answers as the leader only while its local
 lease deadline, counted from when the acquiring or renewing command was *sent*, lies ahead, and
 its metadata writes are compare-and-set on the lease, so two leaders never both accept a write.
 """
@@ -47,6 +48,14 @@ end
 for i = 2, #ARGV, 2 do
   redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
 end
+return 1
+"""
+# KEYS[1] lease, KEYS[2] key; ARGV[1] token, ARGV[2] value.
+FENCED_SET = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+redis.call('SET', KEYS[2], ARGV[2])
 return 1
 """
 RELEASE = """
@@ -106,9 +115,11 @@ class Cluster:
         self.lease_key = f"{prefix}:leader"
         self.nodes_key = f"{prefix}:nodes"
         self.meta_key = f"{prefix}:meta"
+        self.blocks_key = f"{prefix}:blocks"
         self._renew = self.redis.register_script(RENEW)
         self._fenced = self.redis.register_script(FENCED_HSET)
         self._release = self.redis.register_script(RELEASE)
+        self._fenced_set = self.redis.register_script(FENCED_SET)
         self.deadline = 0.0  # local: answer as leader only before this
         self.leading = False  # what this node last acted on (elected / deposed callbacks ran)
         self.leader: Endpoint | None = None  # who holds the lease, as last read
@@ -117,7 +128,7 @@ class Cluster:
         self.elections = 0
         self.elected_at = 0.0  # clock() when this node last took the lease
         self.redis_errors = 0
-        self.on_elected: Callable[[Meta], Awaitable[None]] | None = None
+        self.on_elected: Callable[[Meta, bytes | None], Awaitable[None]] | None = None
         self.on_deposed: Callable[[], None] | None = None
 
     def is_leader(self) -> bool:
@@ -145,6 +156,7 @@ class Cluster:
             ) or await self._renew(keys=[self.lease_key], args=[self.token, lease_ms]):
                 # Taken now, or still ours from an election whose metadata load failed.
                 meta = await self.load_meta()
+                blocks = await self.redis.get(self.blocks_key)
                 if self.clock() < sent + self.lease_s * (1 - DRIFT):
                     self.deadline = sent + self.lease_s * (1 - DRIFT)
                     self.leading = True
@@ -152,7 +164,7 @@ class Cluster:
                     self.elected_at = self.clock()
                     log.info("kvcm cluster elected node_id=%s", self.node.node_id)
                     if self.on_elected is not None:
-                        await self.on_elected(meta)
+                        await self.on_elected(meta, blocks if isinstance(blocks, bytes) else None)
             await self._read_leader()
         except RedisError as exc:
             self.redis_errors += 1
@@ -226,6 +238,22 @@ class Cluster:
                 meta[kind][name] = msgspec.json.decode(value)
                 self.persisted[field] = value
         return meta
+
+    async def save_blocks(self, blob: bytes) -> bool:
+        """Store the block metadata, compare-and-set on the lease. False: not leader."""
+        if not self.is_leader():
+            return False
+        try:
+            ok = await self._fenced_set(
+                keys=[self.lease_key, self.blocks_key], args=[self.token, blob]
+            )
+        except RedisError as exc:
+            self.redis_errors += 1
+            log.warning("kvcm cluster block save failed error=%r", exc)
+            return False
+        if not ok:
+            self._depose("a block save found the lease held by another node")
+        return bool(ok)
 
     async def persist(self, meta: Meta) -> bool:
         """Write the records that changed, compare-and-set on the lease. False: not leader."""

@@ -184,6 +184,14 @@ class Node:
             self.p.kill()
         self.p.wait(timeout=10)
 
+    def terminate(self) -> int:
+        """SIGTERM: a graceful stop (blocks saved, lease released); the exit code."""
+        self.p.send_signal(signal.SIGTERM)
+        rc = self.p.wait(timeout=20)
+        if self.p.stdout is not None:
+            self.p.stdout.close()
+        return rc
+
     def stop(self) -> None:
         os.kill(self.p.pid, signal.SIGSTOP)
 

@@ -390,3 +390,93 @@ async def test_cluster_bad_cluster_info_replies_are_counted_and_nothing_is_lost(
         await h.close()
         await runner.cleanup()
         await session.close()
+
+
+# ---- KVCM's restart script (test_report_event_restart.py), as a sequence of checks -------------
+RHOST = "192.168.1.251:8080"
+RKEY = 9250
+
+
+def _report(base: str, iid: str, *events: dict[str, Any]) -> dict[str, Any]:
+    body = {
+        "instance_id": iid,
+        "host_ip_port": RHOST,
+        "storage_type": "ST_EVENT_REPORT_L1P5",
+        "events": list(events),
+    }
+    return post(base, "reportEvent", body)
+
+
+def _specs_of(base: str, iid: str, key: int) -> list[dict[str, str]]:
+    q = {"instance_id": iid, "query_type": "QT_BATCH_GET", "block_keys": [key]}
+    specs: list[dict[str, str]] = post(base, "getCacheLocation", q)["locations"][0][
+        "location_specs"
+    ]
+    return specs
+
+
+def _snapshot(key: int, medium: str, name: str, uri: str) -> dict[str, Any]:
+    block = {"block_key": str(key), "medium": medium, "specs": [{"name": name, "uri": uri}]}
+    return {"event_type": "EVENT_BLOCK_SNAPSHOT", "block_snapshot": {"blocks": [block]}}
+
+
+def _add(key: int, medium: str, name: str) -> dict[str, Any]:
+    spec = {"name": name, "uri": f"event_report://{RHOST}/{medium}"}
+    return {
+        "event_type": "EVENT_BLOCK_ADD",
+        "block_add": {"block_key": str(key), "medium": medium, "specs": [spec]},
+    }
+
+
+def test_cluster_restart_script_sequence_passes(nodes: list[Node]) -> None:
+    """What tair-kvcache's integration_test/meta_service/test_report_event_restart.py checks
+    (`--phase prepare`, restart every KVCM process on the same redis:// meta storage,
+    `--phase verify`), step for step against cluster mode."""
+    iid = f"restart-{uuid.uuid4().hex[:6]}"
+    leader = leader_of(nodes)
+    reg = {
+        "instance_group": "default",
+        "instance_id": iid,
+        "block_size": 16,
+        "location_spec_infos": [{"name": "linear_0", "size": 1}, {"name": "gpu_0", "size": 1}],
+        "model_deployment": {"model_name": "m", "dtype": "fp16"},
+    }
+    assert post(leader.base, "registerInstance", reg)["header"]["status"]["code"] == "OK"
+    # prepare
+    register = {"event_type": "EVENT_NODE_REGISTER", "node_register": {"mediums": ["mem", "gpu"]}}
+    first = _report(leader.base, iid, register)
+    assert first["snapshot_required"] is True
+    before = f"event_report://{RHOST}/mem?source=before_restart"
+    old = _report(leader.base, iid, _snapshot(RKEY, "mem", "linear_0", before))
+    version = old["committed_snapshot_version"]
+    (spec,) = _specs_of(leader.base, iid, RKEY)
+    assert spec["name"] == "linear_0" and spec["uri"] == f"{before}&s_version={version}"
+    # every KVCM process restarts (gracefully: what changed is saved, the lease released)
+    for n in nodes:
+        assert n.terminate() == 0
+    for n in nodes:
+        n.start()
+    leader = leader_of(nodes)
+    assert post(leader.base, "registerInstance", reg)["header"]["status"]["code"] == "OK"
+    # verify
+    assert _specs_of(leader.base, iid, RKEY) == []  # hidden until the reporter's first event
+    beat = {"event_type": "EVENT_HEARTBEAT", "heartbeat": {"system_status": {"phase": "after"}}}
+    hb = _report(leader.base, iid, beat)
+    assert hb["snapshot_required"] is True and hb.get("committed_snapshot_version", "") == ""
+    (spec,) = _specs_of(leader.base, iid, RKEY)
+    assert spec["uri"].endswith(f"s_version={version}")  # the historical cache is reused
+    accepted = _report(leader.base, iid, _add(RKEY + 1, "gpu", "gpu_0"))
+    assert accepted["header"]["status"]["code"] == "OK"
+    active = accepted["committed_snapshot_version"]
+    assert len(active) == 32 and accepted["snapshot_required"] is True
+    (spec,) = _specs_of(leader.base, iid, RKEY + 1)
+    assert spec["name"] == "gpu_0" and spec["uri"].endswith(f"s_version={active}")
+    assert [s["name"] for s in _specs_of(leader.base, iid, RKEY)] == ["linear_0"]
+    follow = _report(leader.base, iid, _add(RKEY + 2, "gpu", "gpu_0"))
+    assert follow["committed_snapshot_version"] == active and follow["snapshot_required"] is False
+    after = f"event_report://{RHOST}/mem?source=after_restart"
+    snap = _report(leader.base, iid, _snapshot(RKEY, "mem", "linear_0", after))
+    new = snap["committed_snapshot_version"]
+    assert new != version and snap["snapshot_required"] is False
+    (spec,) = _specs_of(leader.base, iid, RKEY)
+    assert spec["uri"] == f"{after}&s_version={new}"
