@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
 import threading
 import time
-import urllib.error
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,135 +20,22 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from sidecar.shm_ring.segment import unlink
 from tests.integration.cluster import (
     Node,
+    Rank,
     RedisProc,
+    Workload,
+    converged,
     free_port,
-    get,
     leader_of,
     needs_redis,
     post,
+    until,
 )
-from tests.integration.harness import SIDECAR_SETTINGS, Harness, SidecarProc
-from tests.proc import EngineProc
+from tests.integration.harness import SIDECAR_SETTINGS, Harness
 
 pytestmark = [pytest.mark.slow, needs_redis]
 LEASE_MS = 1000
-
-
-class Rank:
-    """One engine (the README's plain hook: stored/removed) and its sidecar."""
-
-    def __init__(self, seeds: str, settings: dict[str, str], seed: int) -> None:
-        self.ring = f"/kvcm-cl-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.instance_id = f"cl-{uuid.uuid4().hex[:6]}"
-        self.host = f"127.0.0.1:{30000 + seed}"
-        self.engine = EngineProc(
-            "plain",
-            {"ring": self.ring, "instance_id": self.instance_id, "capacity": 8192, "seed": seed},
-        )
-        self.engine.recv()
-        self.published: set[int] = set()
-        self.lock = threading.Lock()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KV_CACHE_EVENT_")}
-        env.update(
-            {
-                "KV_CACHE_EVENT_IDENTITY_LOCK_DIR": os.environ["KV_CACHE_EVENT_IDENTITY_LOCK_DIR"],
-                "KV_CACHE_EVENT_MANAGER_ENDPOINT": seeds,
-                "KV_CACHE_EVENT_INSTANCE_ID": self.instance_id,
-                "KV_CACHE_EVENT_HOST_IP_PORT": self.host,
-                "KV_CACHE_EVENT_RING_NAME": self.ring,
-                "KV_CACHE_EVENT_METRICS_ADDR": "127.0.0.1:0",
-                "KV_CACHE_EVENT_LOG_FORMAT": "json",
-            }
-        )
-        self.sidecar = SidecarProc(env, settings)
-        line = self.sidecar.wait_line("http listening")
-        self.metrics_port = int(json.loads(line)["msg"].rsplit(":", 1)[1])
-
-    def work(self, n: int) -> None:
-        with self.lock:
-            self.engine.send(json.dumps({"op": "work", "n": n}))
-            self.published = set(self.engine.recv(timeout=60)["published"])
-
-    def status(self) -> dict[str, Any]:
-        return get(f"http://127.0.0.1:{self.metrics_port}", "/status")
-
-    def metric(self, name: str, label: str = "") -> float:
-        import urllib.request
-
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as r:
-            text = r.read().decode()
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith(name) and label in line
-        )
-
-    def close(self) -> None:
-        self.sidecar.close()
-        self.engine.close()
-        unlink(self.ring)
-
-
-def visible(nodes: list[Node], r: Rank) -> dict[str, set[int]]:
-    """node id -> the reporter's visible keys there (unreachable nodes left out)."""
-    out: dict[str, set[int]] = {}
-    for n in nodes:
-        if n.p.poll() is not None:
-            continue
-        try:
-            reps = n.reporters()
-        except (urllib.error.URLError, OSError):
-            continue
-        keys: set[int] = set()
-        for rep in reps:
-            if rep["instance_id"] == r.instance_id and rep["host_ip_port"] == r.host:
-                keys = {int(k) for k in rep["visible_keys"]}
-        out[n.node_id] = keys
-    return out
-
-
-def converged(nodes: list[Node], leader: Node, ranks: list[Rank]) -> bool:
-    for r in ranks:
-        view = visible(nodes, r)
-        if view.get(leader.node_id) != r.published:
-            return False
-        if any(keys for node_id, keys in view.items() if node_id != leader.node_id):
-            return False
-    return True
-
-
-def until(pred: Callable[[], bool], within_s: float, what: str) -> float:
-    """Poll `pred` (other processes' state) until true; returns when (monotonic)."""
-    deadline = time.monotonic() + within_s
-    while not pred():
-        assert time.monotonic() < deadline, f"never: {what}"
-        time.sleep(0.02)  # polling other processes, bounded by the deadline
-    return time.monotonic()
-
-
-class Workload:
-    """Engines store and remove on a thread until stopped (and after it, one last batch)."""
-
-    def __init__(self, ranks: list[Rank]) -> None:
-        self.ranks = ranks
-        self.stop = threading.Event()
-        self.batches = 0
-        self.t = threading.Thread(target=self._run, daemon=True)
-        self.t.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            for r in self.ranks:
-                r.work(15)
-            self.batches += 1
-
-    def join(self) -> None:
-        self.stop.set()
-        self.t.join(timeout=60)
 
 
 @pytest.fixture

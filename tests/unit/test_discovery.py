@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -272,3 +274,16 @@ def test_config_discovery_interval_must_be_positive() -> None:
 def test_config_redacts_credentials_of_every_seed() -> None:
     cfg = C.load(env={**GOOD, "KV_CACHE_EVENT_MANAGER_ENDPOINT": "http://u:p@a:1,http://v:q@b:2"})
     assert C.redacted(cfg)["manager"]["endpoint"] == "http://***@a:1,http://***@b:2"
+
+
+def test_redis_is_imported_only_in_cluster_mode() -> None:
+    """redis-py is the optional `cluster` extra: the sidecar and a standalone server never
+    load it."""
+    code = (
+        "import sys, sidecar.cli, sidecar.daemon, sidecar.kvcm_server.app, "
+        "sidecar.kvcm_client.discovery; print('redis' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "False"
