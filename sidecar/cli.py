@@ -143,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="ring: engine_hook engines (default); zmq: two vLLM-format ZMQ KV-event engines "
         "(int hashes, 32-byte digests; GPU and CPU) with a gap and a sidecar restart",
     )
+    d.add_argument(
+        "--cluster",
+        action="store_true",
+        help="a KVCM cluster: redis-server + 3 cluster-mode servers, the leader SIGKILLed "
+        "mid-run (ring source; needs redis-server and the 'cluster' extra)",
+    )
     _sub(
         sub,
         "include-dir",
@@ -424,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             sys.exit(demo_zmq.run(args.duration, args.seed))
         from sidecar import demo
 
-        sys.exit(demo.run(args.duration, args.ranks, args.seed))
+        sys.exit(demo.run(args.duration, args.ranks, args.seed, args.cluster))
     if args.command == "kvcm-server":
         logs.setup()
         uvloop.run(run_kvcm_server(args))
