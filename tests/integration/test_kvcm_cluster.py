@@ -188,6 +188,23 @@ def test_cluster_leader_sigstop_past_its_lease_is_fenced(nodes: list[Node]) -> N
         assert q["locations"][0]["location_specs"] == []
 
 
+def test_cluster_leader_that_cannot_renew_stops_leading(
+    redis: RedisProc, nodes: list[Node]
+) -> None:
+    """Redis gone: no renewal, so the leader stops answering as the leader when its own
+    deadline passes (no node can be elected meanwhile), and says so."""
+    leader = leader_of(nodes)
+    assert (
+        post(leader.base, "getInstanceInfo", {"instance_id": "x"})["header"]["status"]["code"]
+        == "INSTANCE_NOT_EXIST"
+    )  # answering as the leader
+    redis.close()
+    until(lambda: not leader.cluster()["is_leader"], 10, "the leader steps down")
+    for n in nodes:
+        got = post(n.base, "getInstanceInfo", {"instance_id": "x"})
+        assert got["header"]["status"]["code"] == "SERVER_NOT_LEADER", n.node_id
+
+
 def test_cluster_seed_list_with_a_dead_first_seed_reaches_the_leader(nodes: list[Node]) -> None:
     leader = leader_of(nodes)
     followers = [n for n in nodes if n is not leader]
