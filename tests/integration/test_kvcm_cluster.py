@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import threading
 import time
 import uuid
@@ -381,3 +382,66 @@ def test_cluster_restart_script_sequence_passes(nodes: list[Node]) -> None:
     assert new != version and snap["snapshot_required"] is False
     (spec,) = _specs_of(leader.base, iid, RKEY)
     assert spec["uri"] == f"{after}&s_version={new}"
+
+
+async def test_cluster_heartbeats_keep_cadence_while_discovery_hangs(tmp_path: Path) -> None:
+    """getClusterInfo that never answers in time (every round times out, again and again):
+    heartbeats, which go through the same node, keep their schedule."""
+    h = Harness(tmp_path, settings={"manager.discovery_interval_s": "0.3"})
+    await h.start_server()
+    session = aiohttp.ClientSession()
+    release = asyncio.Event()  # set at the end: no handler is left waiting at shutdown
+    waiting: list[int] = [0]
+    idle = asyncio.Event()
+    idle.set()
+
+    async def handle(request: web.Request) -> web.Response:
+        route = request.match_info["route"]
+        body = await request.read()
+        if route == "getClusterInfo":
+            waiting[0] += 1
+            idle.clear()
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(release.wait(), 2.0)  # a node too slow to answer
+            finally:
+                waiting[0] -= 1
+                if not waiting[0]:
+                    idle.set()
+            return web.json_response({"header": {"status": {"code": "SERVICE_NOT_READY"}}})
+        async with session.post(f"http://127.0.0.1:{h.port}/api/{route}", data=body) as r:
+            return web.Response(body=await r.read(), content_type="application/json")
+
+    front = web.Application()
+    front.router.add_post("/api/{route}", handle)
+    runner = web.AppRunner(front)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    seeds = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    real_env = h.sidecar_env
+    h.sidecar_env = lambda: {**real_env(), "KV_CACHE_EVENT_MANAGER_ENDPOINT": seeds}  # type: ignore[method-assign]
+    try:
+        await asyncio.to_thread(h.start_engine)
+        await asyncio.to_thread(h.start_sidecar)
+        await asyncio.to_thread(h.engine_cmd, op="work", n=100)
+        await h.converge()
+        start = len((await h.reporter_until(lambda r: True))["heartbeat_times"])
+        r = await h.reporter_until(lambda r: len(r["heartbeat_times"]) >= start + 12, 15)
+        times = r["heartbeat_times"][start:]
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        assert max(gaps) <= 2 * 0.2 + 0.05, gaps  # the harness's 0.2 s heartbeat
+        m = await h.metrics()
+        assert 'kvcm_sidecar_manager_discovery_total{outcome="unreachable"}' in m
+        unreachable = [
+            float(line.rsplit(" ", 1)[1])
+            for line in m.splitlines()
+            if line.startswith('kvcm_sidecar_manager_discovery_total{outcome="unreachable"}')
+        ]
+        assert unreachable[0] >= 2, m  # rounds kept timing out meanwhile
+    finally:
+        await h.close()
+        release.set()
+        async with asyncio.timeout(5):
+            await idle.wait()
+        await runner.cleanup()
+        await session.close()
