@@ -164,7 +164,7 @@ class Discovery:
         """Called with every KVCM result: SERVER_NOT_LEADER, refused or timed out -> a round."""
         if result.reason == "SERVER_NOT_LEADER":
             trigger = Trigger.NOT_LEADER
-        elif result.reason in ("connect", "timeout"):
+        elif result.reason in ("connect", "timeout", "transport"):  # transport: a reset
             trigger = Trigger.UNREACHABLE
         else:
             return
