@@ -155,6 +155,9 @@ class Cluster:
                 self.lease_key, self.token, nx=True, px=lease_ms
             ) or await self._renew(keys=[self.lease_key], args=[self.token, lease_ms]):
                 # Taken now, or still ours from an election whose metadata load failed.
+                await self.redis.hset(
+                    self.nodes_key, self.node.node_id, msgspec.json.encode(self.node)
+                )
                 meta = await self.load_meta()
                 blocks = await self.redis.get(self.blocks_key)
                 if self.clock() < sent + self.lease_s * (1 - DRIFT):
@@ -169,6 +172,8 @@ class Cluster:
         except RedisError as exc:
             self.redis_errors += 1
             log.warning("kvcm cluster redis error=%r leading=%s", exc, self.leading)
+        except ApiError as exc:  # the elected leader's bootstrap write failed: retried later
+            log.warning("kvcm cluster metadata write failed error=%s", exc)
 
     def _depose(self, why: str) -> None:
         self.leading = False
