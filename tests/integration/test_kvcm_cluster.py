@@ -10,6 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -34,6 +37,7 @@ from tests.integration.cluster import (
     until,
 )
 from tests.integration.harness import SIDECAR_SETTINGS, Harness
+from tests.proc import ROOT
 
 pytestmark = [pytest.mark.slow, needs_redis]
 LEASE_MS = 1000
@@ -445,3 +449,40 @@ async def test_cluster_heartbeats_keep_cadence_while_discovery_hangs(tmp_path: P
             await idle.wait()
         await runner.cleanup()
         await session.close()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--meta-storage", "http://127.0.0.1:6379", "--node-id", "a"],  # not redis://
+        ["--meta-storage", "redis://127.0.0.1:6379/0"],  # no --node-id
+    ],
+)
+def test_cluster_server_bad_flags_exit_2(args: list[str]) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "kvcm-server", "--meta-port", "0", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "--meta-storage" in out.stderr, out.stderr
+
+
+def test_cluster_sidecar_bad_seed_exits_2_naming_the_field() -> None:
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("KV_CACHE_EVENT_")},
+        "KV_CACHE_EVENT_MANAGER_ENDPOINT": "http://kvcm-0:6382,kvcm-1:6382",
+        "KV_CACHE_EVENT_INSTANCE_ID": "i",
+        "KV_CACHE_EVENT_HOST_IP_PORT": "10.0.0.1:80",
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "sidecar.cli", "run"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "manager.endpoint" in out.stderr and "'kvcm-1:6382'" in out.stderr, out.stderr
