@@ -486,3 +486,48 @@ def test_cluster_sidecar_bad_seed_exits_2_naming_the_field() -> None:
     )
     assert out.returncode == 2, out.stderr
     assert "manager.endpoint" in out.stderr and "'kvcm-1:6382'" in out.stderr, out.stderr
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def test_cluster_writes_of_a_node_that_lost_the_lease_are_refused_by_redis(
+    redis: RedisProc,
+) -> None:
+    """Fencing in Redis itself: even a node whose clock says its lease still runs (the local
+    deadline is the first line; this is the second) cannot write once another node holds the
+    lease, and it steps down when it tries."""
+    from sidecar.kvcm_server.cluster import Cluster, Endpoint
+
+    clock_a, clock_b = FakeClock(), FakeClock()
+    a = Cluster(redis.url, Endpoint("a", "127.0.0.1", 0, 1), lease_s=1.0, clock=clock_a)
+    b = Cluster(redis.url, Endpoint("b", "127.0.0.1", 0, 2), lease_s=1.0, clock=clock_b)
+    deposed: list[str] = []
+    a.on_deposed = lambda: deposed.append("a")
+    try:
+        await a.step()
+        await b.step()
+        assert a.is_leader() and not b.is_leader()
+        assert b.leader is not None and b.leader.node_id == "a"
+        meta = {"storages": {"s": {"x": 1}}, "groups": {}, "instances": {}}
+        assert await a.persist(meta)
+        await a.redis.delete(a.lease_key)  # a's lease ran out in Redis (a was frozen)
+        await b.step()
+        assert b.is_leader()
+        assert a.is_leader()  # a's clock has not moved: only Redis can stop it now
+        assert not await a.persist({**meta, "groups": {"g": {"y": 2}}})
+        assert not await a.save_blocks(b'{"i": []}')
+        assert deposed == ["a"] and not a.is_leader()
+        stored = await b.redis.hgetall(b.meta_key)
+        assert set(stored) == {b"storages/s"}  # a's second write never landed
+        assert await b.redis.get(b.blocks_key) is None
+        clock_b.t += 2.0  # b's own deadline passes without a renewal
+        assert not b.is_leader()
+    finally:
+        await a.release()
+        await b.release()
