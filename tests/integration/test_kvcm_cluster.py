@@ -334,7 +334,7 @@ def _add(key: int, medium: str, name: str) -> dict[str, Any]:
     }
 
 
-def test_cluster_restart_script_sequence_passes(nodes: list[Node]) -> None:
+def test_cluster_restart_script_sequence_passes(redis: RedisProc, nodes: list[Node]) -> None:
     """What tair-kvcache's integration_test/meta_service/test_report_event_restart.py checks
     (`--phase prepare`, restart every KVCM process on the same redis:// meta storage,
     `--phase verify`), step for step against cluster mode."""
@@ -358,8 +358,15 @@ def test_cluster_restart_script_sequence_passes(nodes: list[Node]) -> None:
     (spec,) = _specs_of(leader.base, iid, RKEY)
     assert spec["name"] == "linear_0" and spec["uri"] == f"{before}&s_version={version}"
     # every KVCM process restarts (gracefully: what changed is saved, the lease released)
+    assert leader.terminate() == 0
+    import redis as redis_py
+
+    with redis_py.Redis.from_url(redis.url) as r:
+        holder = r.get("kvcm:leader")
+    assert holder is None or not holder.startswith(f"{leader.node_id}#".encode())  # given up
     for n in nodes:
-        assert n.terminate() == 0
+        if n is not leader:
+            assert n.terminate() == 0
     for n in nodes:
         n.start()
     leader = leader_of(nodes)
