@@ -1,8 +1,8 @@
 """What does reporting a transition cost a C/C++ engine? kvcm_ring.h beside the Python hook.
 
-Compiles tests/c/kvcm_bench.c (gcc -O2) and reports ns per single event (goal <= 10), per key in
-1024-key arrays (goal <= 2) and per poll(), a 1M-entry snapshot's stall, syscalls per event under
-strace (goal 0), and the Python hook in the same run; JSON to bench/results/hotpath_c.json.
+Compiles sidecar/testbed/c/kvcm_bench.c (gcc -O2) and reports ns per single event (goal <= 10), per
+key in 1024-key arrays (goal <= 2) and per poll(), a 1M-entry snapshot's stall, syscalls per event
+under strace (goal 0), and the Python hook in the same run; JSON to bench/results/hotpath_c.json.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 from bench.hotpath import bench_hook
 from sidecar.shm_ring.segment import unlink
-from tests import cbuild
+from sidecar.testbed import cbuild
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOAL_SINGLE_NS = 10.0

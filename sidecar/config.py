@@ -96,6 +96,10 @@ class ZmqConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
     health_timeout_s: PosFloat = 1.0
     health_fail_after: PosInt = 3  # consecutive failed probes that mean ENGINE_DOWN
     replay_timeout_s: PosFloat = 2.0  # no reply (or no end marker) in time: a forget
+    # ... that a later replay may undo: timed recovery attempts (backoff from replay_timeout_s,
+    # capped), and one at once whenever a stream that was silent comes back
+    replay_retries: Annotated[int, Meta(ge=0)] = 8
+    replay_retry_cap_s: PosFloat = 30.0
     checkpoint_interval_s: PosFloat = 5.0
 
 

@@ -142,7 +142,7 @@ class Demo:
                 f"engine{rk.r}",
                 PY,
                 "-m",
-                "engine_hook.simulator",
+                "sidecar.testbed.simulator",
                 json.dumps(args),
                 env=env,
                 tasks=self.tasks,

@@ -1,6 +1,6 @@
 """`kvcm-sidecar demo --source zmq`: the demo with vLLM-format ZMQ engines instead of the ring.
 
-Imports: stdlib, aiohttp, sidecar.child, engine_hook.zmq_publisher (engines as child processes).
+Imports: stdlib, aiohttp, sidecar.child, sidecar.testbed.zmq_publisher (engines as child processes).
 Rank 0 publishes int hashes, rank 1 32-byte digests, both on GPU and CPU; rank 0 loses batches
 on its PUB socket (the replay covers them), rank 1's sidecar is SIGKILLed and restarted (it
 replays from its checkpoint). Exit 0 only if KVCM shows each engine's (key, medium) truth.
@@ -21,8 +21,8 @@ from typing import Any
 
 import aiohttp
 
-from engine_hook.zmq_publisher import PublisherProcess
 from sidecar.child import Proc, start_kvcm_server, start_sidecar
+from sidecar.testbed.zmq_publisher import PublisherProcess
 
 KVCM_MEDIUM = {"GPU": "hbm", "CPU": "mem"}
 RATE = 4000.0  # block events/s per engine

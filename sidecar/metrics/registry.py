@@ -91,7 +91,14 @@ METRICS: dict[str, tuple[str, str]] = {
     "kvcm_sidecar_zmq_gaps": ("counter", "ZMQ seq gaps (and damaged batches) seen live."),
     "kvcm_sidecar_zmq_replays": (
         "counter",
-        "ZMQ replays finished, by outcome (covered, uncovered, timeout, restart).",
+        "ZMQ replays by outcome (covered, uncovered, timeout, restart, recovered) and recovery"
+        " attempts by trigger (recovery_retry, recovery_stream_back, recovery_engine_recovered;"
+        " recovery_given_up).",
+    ),
+    "kvcm_sidecar_zmq_recovery_pending": (
+        "gauge",
+        "1 while a forget may still be undone: a replay that rebuilds the state exactly is"
+        " being retried (docs/operations.md, 'When a replay goes unanswered').",
     ),
     "kvcm_sidecar_zmq_forgets": (
         "counter",
@@ -310,6 +317,7 @@ def _zmq_families(src: ZmqSource) -> Iterator[Metric]:
     yield counter("kvcm_sidecar_zmq_gaps", s.gaps)
     yield _by("kvcm_sidecar_zmq_replays", "outcome", s.replays)
     yield _by("kvcm_sidecar_zmq_forgets", "reason", s.forgets)
+    yield gauge("kvcm_sidecar_zmq_recovery_pending", int(s.pending_basis() is not None))
     yield gauge("kvcm_sidecar_zmq_last_seq", s.last_seq)
     yield gauge("kvcm_sidecar_zmq_seq_lag_batches", src.lag())
     yield gauge("kvcm_sidecar_zmq_held_blocks", src.counts.held())

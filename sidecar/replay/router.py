@@ -23,7 +23,7 @@ Probe = Callable[[int, list[int], float], Awaitable[int]]
 @dataclass(frozen=True)
 class CostModel:
     """The router's model of an engine's prefill time (the same formula the engines run, see
-    engine_hook/prefill_engine.py `Cost`; tests pin that they agree). Written again, not
+    sidecar/testbed/prefill_engine.py `Cost`; tests pin that they agree). Written again, not
     imported: a router runs without the engine side (tests pin that it imports no
     engine_hook)."""
 

@@ -1,8 +1,9 @@
 """The replay's processes: the KVCM-compatible server, one prefill engine and one sidecar per rank.
 
 Imports: stdlib, aiohttp, sidecar.child, sidecar.shm_ring.segment. Every process is a real child
-(`python -m engine_hook.prefill_engine`, `python -m sidecar.cli run`, `... kvcm-server`); engines
-speak JSON lines (engine_hook/prefill_engine.py). Waits on other processes are bounded polls.
+(`python -m sidecar.testbed.prefill_engine`, `python -m sidecar.cli run`, `... kvcm-server`);
+engines speak JSON lines (sidecar/testbed/prefill_engine.py). Waits on other processes are bounded
+polls.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ class Stack:
             p = await asyncio.create_subprocess_exec(
                 PY,
                 "-m",
-                "engine_hook.prefill_engine",
+                "sidecar.testbed.prefill_engine",
                 json.dumps(args),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,

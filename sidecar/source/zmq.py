@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import secrets
 import time
 from collections import Counter, deque
@@ -65,6 +66,24 @@ def digest(payload: bytes) -> bytes:
 
 
 Held = tuple[int, bytes, Decoded | None]  # a live batch held during a replay (decoded or not)
+Tables = list[tuple[int, int, np.ndarray, np.ndarray]]  # BlockCounts.arrays(): (medium, group, ..)
+
+
+@dataclass
+class Basis:
+    """What a replay can still rebuild exactly after a replay went unanswered: the counts as of
+    `seq`, whose batch's digest is `proof`; or (seq -1) the empty state before the life's seq 0.
+    Kept (and checkpointed) until a replay proves or refutes it."""
+
+    seq: int
+    proof: bytes | None
+    tables: Tables
+    attempts: int = 0  # recovery replays asked for so far
+    retry_at: float = 0.0  # clock() of the next timed attempt
+    # The stream was silent while the last attempt waited (a paused or dead engine): its next
+    # live batch asks again at once, whatever the timed attempts left (an engine back from a
+    # long stop still holds its life in its buffer).
+    armed: bool = False
 
 
 @dataclass
@@ -81,6 +100,7 @@ class _Replay:
     # engine that answered after them is still the life we follow).
     before: int = 0
     hollow: bool = False  # follows a forget, nothing applied yet: the empty state is true
+    basis: Basis | None = None  # a recovery: the state to rebuild on, once the replay proves it
 
 
 class Stream:
@@ -94,14 +114,21 @@ class Stream:
         dp_rank: int,
         can_replay: bool,
         replay_timeout_s: float,
+        replay_retries: int = 8,
+        replay_retry_cap_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
     ) -> None:
         self.decoder = decoder
         self.counts = counts
         self.dp_rank = dp_rank
         self.can_replay = can_replay
         self.replay_timeout_s = replay_timeout_s
+        self.replay_retries = replay_retries  # timed recovery attempts per basis
+        self.replay_retry_cap_s = replay_retry_cap_s
         self.clock = clock
+        self.rng = rng or random.Random()
+        self.basis: Basis | None = None  # a recovery is pending (see Basis)
         self.expected: int | None = None  # next seq to apply (None: take the next one seen)
         self.last_seq = -1
         self.last_payload: bytes | None = None
@@ -126,7 +153,6 @@ class Stream:
         self.restarts = 0
         self.changed = False  # the key state may have changed since the owner last looked
         self.pristine = True  # nothing applied or loaded yet (a forget would lose nothing)
-        self.start_timeouts = 0  # start replays gone unanswered (after 2: follow live)
 
     # ---- entry points ------------------------------------------------------------------------
     def start(self, checkpoint: ckpt.Checkpoint | None, loaded: bool) -> None:
@@ -154,7 +180,9 @@ class Stream:
             self.forget(F_NO_REPLAY, "engine recovered, no replay endpoint to prove continuity")
             self.expected = None
             return
-        if self.replay is None:
+        if self.replay is None and self.basis is not None:
+            self._recover("engine_recovered")
+        elif self.replay is None:
             self._ask(self.last_seq, self._last_digest(), "engine_recovered")
 
     def on_live(self, seq: int, payload: bytes, pre: Decoded | None = None) -> None:
@@ -180,19 +208,17 @@ class Stream:
                 return
             if seq >= self._replayed_top:
                 self._replayed.clear()
-        if exp is None or seq == exp:
-            # The first batch seen is not the engine's first (its start replay went unanswered
-            # while the engine was down): its earlier batches may still be in its buffer.
-            # Asked twice in vain: the endpoint does not answer; follow the live stream.
-            if (
-                exp is None
-                and self.pristine
-                and seq
-                and self.can_replay
-                and self.start_timeouts < 2
-            ):
-                self._ask(0, None, "start", (seq, payload, pre))
+        b = self.basis
+        if b is not None and b.armed:
+            # The stream is back after a replay went unanswered in silence (the engine was
+            # paused or down): its buffer may still hold all we need. Ask now.
+            b.armed = False
+            if b.seq < 0 and seq == 0 and exp is None:
+                self.basis = None  # its first batch: the whole life arrives live
+            else:
+                self._recover("stream_back", (seq, payload, pre))
                 return
+        if exp is None or seq == exp:
             self._apply(seq, payload, replayed=False, pre=pre)
             return
         # An unexpected seq proves nothing until its payload reads: junk is dropped, not held
@@ -233,6 +259,8 @@ class Stream:
         r.replies += 1
         if r.proof is not None and not r.proven:
             if seq == r.start and (d := digest(payload)) == r.proof:
+                if r.basis is not None:
+                    self._restore(r.basis)
                 r.proven = True
                 r.next = seq + 1
                 self._replayed[seq] = d  # a live copy of it is a duplicate too
@@ -254,6 +282,8 @@ class Stream:
         if r.next < 0:
             if seq != r.start:
                 self._uncovered(F_UNCOVERED, f"replay from {r.start} began at {seq}")
+            elif r.basis is not None:
+                self._restore(r.basis)  # the life from its seq 0: rebuilt from empty
             r.next = seq
         if seq < r.next:
             self.batches["duplicate"] += 1
@@ -281,31 +311,94 @@ class Stream:
         if r.proof is not None and not r.proven:
             reason = F_CHECKPOINT if r.why == "checkpoint" else F_UNCOVERED
             self._uncovered(reason, f"replay from {r.start} returned nothing")
-        elif r.replies == 0 and r.why != "start":
+        elif r.replies == 0 and r.why != "start" and not (r.basis and r.basis.seq < 0):
+            # (An empty buffer answering a replay from 0 is a life that published nothing.)
             self._uncovered(F_UNCOVERED, f"replay from {r.start} returned nothing")
         self.replays["covered" if not self._forgot_during(r) else "uncovered"] += 1
         self._end_replay()
 
     def check_deadline(self) -> bool:
-        """Give up on a replay not answered in time (True if it did)."""
+        """Give up on a replay not answered in time (True if it did).
+
+        A forget need not be final: what the replay would have rebuilt on is kept as a Basis,
+        and recovery replays are asked for again, timed (with backoff, `replay_retries` of
+        them) and at once when a silent stream comes back, until one proves or refutes it."""
         r = self.replay
         if r is None or self.clock() < r.deadline:
             return False
         self.replays["timeout"] += 1
         self.discard_ends = 0  # the socket side opens a fresh DEALER: nothing stale arrives
-        if r.why == "start" and not r.replies:
-            self.start_timeouts += 1
-            # Nothing held yet, nothing to forget: the engine is not up (a sidecar started
-            # first); its first batches will show as a gap or a start from 0.
-            log.info(
-                "zmq start replay unanswered within %ss: following live", self.replay_timeout_s
-            )
+        silent = len(r.live) <= r.before  # nothing live arrived while it waited
+        if r.basis is not None and not r.replies:
+            basis = r.basis  # a recovery attempt unanswered: KVCM already forgot, try again
+        elif self._forgot_during(r):
+            basis = None  # the replay had shown the gap uncovered: nothing exact to rebuild
+        elif self.last_seq < 0:
+            basis = Basis(-1, None, [])
+            if self.pristine:  # a sidecar started before its engine: nothing to forget
+                log.info("zmq replay unanswered within %ss: following live", self.replay_timeout_s)
         else:
+            basis = Basis(self.last_seq, self._last_digest(), self.counts.arrays())
+        if (basis is not None and basis is not r.basis) or basis is None:
             self.forget(F_TIMEOUT, f"no replay from {r.start} within {self.replay_timeout_s}s")
         self.expected = None
         self.replay = None
-        self._drain_held(r)
+        self._drain_held(r)  # follow the live stream meanwhile (a recovery replaces it)
+        if basis is not None:
+            self._pend_basis(basis, silent)
         return True
+
+    def tick(self) -> None:
+        """The feed loop's turn: a timed recovery attempt, when one is due."""
+        b = self.basis
+        if (
+            b is not None
+            and self.replay is None
+            and b.attempts < self.replay_retries
+            and self.clock() >= b.retry_at
+        ):
+            self._recover("retry")
+
+    def next_timer(self) -> float | None:
+        """clock() of the next timed recovery attempt (None: none is due)."""
+        b = self.basis
+        if b is None or self.replay is not None or b.attempts >= self.replay_retries:
+            return None
+        return b.retry_at
+
+    def _pend_basis(self, basis: Basis, silent: bool) -> None:
+        base = min(self.replay_retry_cap_s, self.replay_timeout_s * 2 ** min(basis.attempts, 20))
+        basis.retry_at = self.clock() + base * (0.5 + 0.5 * self.rng.random())
+        basis.armed = silent
+        if basis.attempts >= self.replay_retries and not silent:
+            # The engine publishes but never answers a replay: what was forgotten stays so.
+            self.replays["recovery_given_up"] += 1
+            log.warning("zmq recovery given up attempts=%d (replays unanswered)", basis.attempts)
+            return
+        self.basis = basis
+
+    def _recover(self, why: str, held: Held | None = None) -> None:
+        """Ask for a replay that rebuilds the pending basis exactly, once it proves it."""
+        b = self.basis
+        assert b is not None
+        b.attempts += 1
+        self.replays[f"recovery_{why}"] += 1
+        r = self._ask(max(b.seq, 0), b.proof, f"recover_{why}", held)
+        r.basis = b
+        self.basis = None  # held by the replay; given back if it goes unanswered
+
+    def _restore(self, b: Basis) -> None:
+        """The replay proved the basis: back to its counts; the replay goes on from there."""
+        self.flush()
+        self.counts.clear()
+        for medium, group, keys, counts in b.tables:
+            self.counts.load(medium, group, keys, counts)
+        self.last_seq, self.last_payload, self.last_digest = b.seq, None, b.proof
+        self._replayed.clear()
+        self._replayed_top = -1
+        self.replays["recovered"] += 1
+        self.changed = True
+        log.info("zmq recovery proven from=%d attempts=%d: rebuilding exactly", b.seq, b.attempts)
 
     def flush(self, repair: bool = False) -> None:
         """Fold what was decoded since the last flush into the counts (and the key state).
@@ -389,13 +482,28 @@ class Stream:
         self.changed = True
         log.warning("zmq source forgets the replica's keys reason=%s detail=%s", reason, detail)
 
-    def checkpoint(self) -> ckpt.Checkpoint | None:
-        """The state as of the last applied batch (None while nothing was applied)."""
+    def pending_basis(self) -> Basis | None:
+        """The basis a recovery waits to rebuild on (pending, or held by a recovery replay)."""
+        if self.basis is not None:
+            return self.basis
+        r = self.replay
+        return r.basis if r is not None and r.basis is not None and not r.replies else None
+
+    def checkpoint(self) -> tuple[ckpt.Checkpoint, Tables | None] | None:
+        """The state to persist: as of the last applied batch, with None for the tables (the
+        counts now); while a recovery is pending, its basis instead (what a restarted sidecar
+        must still rebuild on; an empty basis needs no checkpoint: it replays from 0). None:
+        nothing to write."""
         self.flush()
+        b = self.pending_basis()
+        if b is not None:
+            if b.seq < 0 or b.proof is None:
+                return None
+            return ckpt.Checkpoint(b.seq, b.proof, []), b.tables
         d = self._last_digest()
         if self.last_seq < 0 or d is None:
             return None
-        return ckpt.Checkpoint(self.last_seq, d, [])
+        return ckpt.Checkpoint(self.last_seq, d, []), None
 
     # ---- internals ---------------------------------------------------------------------------
     def _last_digest(self) -> bytes | None:
@@ -419,6 +527,7 @@ class Stream:
         went by; KVCM hears of the forget at once, as the empty state is true meanwhile)."""
         self.restarts += 1
         self._replayed.clear()
+        self.basis = None  # another life: nothing of the old one to rebuild
         self.forget(reason, detail)
         self.incarnation = secrets.randbits(63) | 1
         self.last_seq, self.last_payload, self.last_digest = -1, None, None
@@ -569,6 +678,8 @@ class ZmqSource:
             dp_rank=cfg.identity.dp_rank,
             can_replay=bool(z.replay_endpoint),
             replay_timeout_s=z.replay_timeout_s,
+            replay_retries=z.replay_retries,
+            replay_retry_cap_s=z.replay_retry_cap_s,
             clock=clock,
         )
         self.bind = infer_bind(z.endpoint) if z.bind is None else z.bind
@@ -607,7 +718,9 @@ class ZmqSource:
         # Right after a forget, before the replay applied anything, the empty state is true:
         # the publisher may tell KVCM to forget at once instead of after the whole replay.
         r = self.stream.replay
-        return r is None or r.hollow
+        # A recovery replay not answered yet changes nothing until it proves its basis: the
+        # live stream followed meanwhile is what the publisher reports.
+        return r is None or r.hollow or (r.basis is not None and not r.replies)
 
     @property
     def sync_state(self) -> str:
@@ -656,6 +769,22 @@ class ZmqSource:
             return WatchResult(Watch.BACK, "healthy again", self.stream.incarnation)
         return WatchResult()
 
+    def recovery_status(self) -> dict[str, Any]:
+        """A forget that a replay may still undo: from which seq, tries, when the next is due."""
+        s = self.stream
+        b = s.pending_basis()
+        if b is None:
+            return {"pending": False}
+        nxt = s.next_timer()
+        return {
+            "pending": True,
+            "from_seq": max(b.seq, 0),
+            "attempts": b.attempts,
+            "in_flight": s.basis is None,
+            "next_attempt_in_s": None if nxt is None else round(max(nxt - self.clock(), 0), 3),
+            "on_stream_back": b.armed,
+        }
+
     def checkpoint_age_s(self) -> float:
         return self.clock() - self.ckpt_at if self.ckpt_at else -1.0
 
@@ -671,6 +800,7 @@ class ZmqSource:
             "zmq_drops": dict(s.decoder.drops),
             "zmq_decode_errors": dict(s.decode_errors),
             "zmq_held_blocks": self.counts.held(),
+            "zmq_recovery": self.recovery_status(),
             "checkpoint_age_s": round(self.checkpoint_age_s(), 3),
             "health_failures": self.health_failures,
         }
@@ -716,13 +846,15 @@ class ZmqSource:
         return c
 
     def write_checkpoint(self) -> None:
-        c = self.stream.checkpoint()
-        if c is None or (c.last_seq == self.ckpt_seq and self.ckpt_at):
-            if c is not None:
+        got = self.stream.checkpoint()
+        if got is None or (got[0].last_seq == self.ckpt_seq and self.ckpt_at):
+            if got is not None:
                 self.ckpt_at = self.clock()
             return
+        c, tables = got
         names = self.mediums
-        c.tables = [(names[m], g, k, n) for m, g, k, n in self.counts.arrays() if m < len(names)]
+        arrays = self.counts.arrays() if tables is None else tables
+        c.tables = [(names[m], g, k, n) for m, g, k, n in arrays if m < len(names)]
         i = self.cfg.identity
         try:
             ckpt.save(self.ckpt_path, i.instance_id, i.dp_rank, self.z.endpoint, c)
@@ -799,6 +931,7 @@ class ZmqSource:
         every = self.z.checkpoint_interval_s
         next_ckpt = self.clock() + every
         while True:
+            s.tick()
             if s.want_replay is not None and dealer is not None:
                 start, s.want_replay = s.want_replay, None
                 await dealer.send_multipart([b"", start.to_bytes(8, "big")])
@@ -806,6 +939,8 @@ class ZmqSource:
             timeout = min(next_ckpt - self.clock(), IDLE_TURN_S)
             if s.replay is not None:
                 timeout = min(timeout, s.replay.deadline - self.clock())
+            if (retry_at := s.next_timer()) is not None:
+                timeout = min(timeout, retry_at - self.clock())
             events = dict(await poller.poll(max(int(timeout * 1000), 0)))
             if sync_dealer is not None and dealer in events:
                 self._read_replies(sync_dealer)

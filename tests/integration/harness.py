@@ -26,7 +26,7 @@ from aiohttp import web
 
 from sidecar.kvcm_server.app import KvcmServer
 from sidecar.shm_ring.segment import unlink
-from tests.proc import ROOT, EngineProc
+from sidecar.testbed.proc import ROOT, EngineProc
 
 SIDECAR_SETTINGS = {
     "report.heartbeat_interval_s": "0.2",

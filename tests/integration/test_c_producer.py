@@ -1,8 +1,8 @@
 """A C engine (kvcm_ring.h) under the real sidecar and the KVCM-compatible server, end to end.
 
-The engine is tests/c/kvcm_test_engine.c in `cache` mode, compiled with the system compiler and
-run as a separate process; its snapshot callback enumerates its own table. Each test ends with
-the oracle: KVCM's visible keys for the reporter == the keys the C engine holds in every
+The engine is sidecar/testbed/c/kvcm_test_engine.c in `cache` mode, compiled with the system
+compiler and run as a separate process; its snapshot callback enumerates its own table. Each test
+ends with the oracle: KVCM's visible keys for the reporter == the keys the C engine holds in every
 required group. Both ways of running the chores are covered: the helper thread and poll().
 """
 
@@ -18,16 +18,16 @@ import pytest
 
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.segment import Segment
+from sidecar.testbed.proc import EngineProc
 from tests import cbuild
 from tests.integration.harness import Harness
 from tests.integration.test_daemon import _metric
-from tests.proc import EngineProc
 
 pytestmark = pytest.mark.slow
 
 
 class CEngineProc(EngineProc):
-    """tests/c/kvcm_test_engine.c as the engine process (EngineProc's line protocol)."""
+    """sidecar/testbed/c/kvcm_test_engine.c as the engine process (EngineProc's line protocol)."""
 
     def __init__(self, binary: Path, argv: list[str]) -> None:
         self.p = subprocess.Popen(

@@ -318,7 +318,7 @@ async def test_daemon_started_before_engine_waits_then_converges(h: Harness) -> 
 async def test_e2e_ring_mediums_kvcm_holds_each_key_per_medium(h: Harness) -> None:
     """The ring carries each record's medium index; KVCM's (key, medium) pairs == the engine's,
     also after the sidecar restarts and resyncs from the engine's snapshot (medium column)."""
-    from tests.proc import EngineProc
+    from sidecar.testbed.proc import EngineProc
 
     async def pairs() -> set[tuple[int, str]]:
         r = await h.reporter()

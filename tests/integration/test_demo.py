@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.proc import ROOT
+from sidecar.testbed.proc import ROOT
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import sys
 import urllib.request
 from typing import Any
 
-from tests.proc import ROOT
+from sidecar.testbed.proc import ROOT
 
 REG = {
     "instance_group": "default",

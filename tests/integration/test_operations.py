@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sidecar import docgen
 from sidecar.logs import RateLimit
 from sidecar.metrics.registry import METRICS, ZMQ_ONLY
+from sidecar.testbed.proc import ROOT
 from tests.integration.harness import Harness
-from tests.proc import ROOT
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from sidecar.replay.trace import CONVERSATIONS, generate
-from tests.proc import ROOT
+from sidecar.testbed.proc import ROOT
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import numpy as np
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.reader import RingReader
 from sidecar.shm_ring.segment import Segment
-from tests.proc import EngineProc
+from sidecar.testbed.proc import EngineProc
 
 
 def _keys(records: np.ndarray) -> list[int]:

@@ -14,7 +14,7 @@ from sidecar.shm_ring import layout as L
 from sidecar.shm_ring import snapshot
 from sidecar.shm_ring.reader import RingReader
 from sidecar.shm_ring.segment import Segment, unlink
-from tests.proc import EngineProc
+from sidecar.testbed.proc import EngineProc
 
 
 def _fold(state: dict[int, int], records: np.ndarray) -> None:

@@ -1,4 +1,5 @@
-"""The vLLM/SGLang-style ZMQ publisher (engine_hook.zmq_publisher) against plain SUB/DEALER sockets.
+"""The vLLM/SGLang-style ZMQ publisher (sidecar.testbed.zmq_publisher) against plain SUB/DEALER
+sockets.
 
 The publisher runs as a real process (PublisherProcess); the property test drives it in-process.
 Waits are on the publisher's replies (`wait_subscribers`, step replies after the send) and on
@@ -20,7 +21,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_hook.zmq_publisher import (
+from sidecar.testbed.zmq_publisher import (
     END_SEQ,
     Publisher,
     PublisherConfig,
@@ -162,7 +163,7 @@ def test_zmq_publisher_import_engine_hook_loads_no_zmq() -> None:
 )
 def test_zmq_publisher_invalid_config_exits_2_naming_the_field(flag: list[str], field: str) -> None:
     p = subprocess.run(
-        [sys.executable, "-m", "engine_hook.zmq_publisher", *flag],
+        [sys.executable, "-m", "sidecar.testbed.zmq_publisher", *flag],
         capture_output=True,
         text=True,
         timeout=30,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from engine_hook.zmq_publisher import PublisherProcess
+from sidecar.testbed.zmq_publisher import PublisherProcess
 from tests.integration.harness import Harness, SidecarProc
 
 # engine medium -> KVCM medium (the default medium map)
@@ -47,7 +49,8 @@ class ZmqHarness:
         self.pub = PublisherProcess(**cfg)
         return self.pub
 
-    def start_sidecar(self, **settings: str) -> SidecarProc:
+    def start_sidecar(self, wait: bool = True, **settings: Any) -> SidecarProc:
+        """`wait`: until the engine sees the subscription (not with the engine stopped)."""
         assert self.pub is not None
         r = self.pub.ready
         extra = {
@@ -60,7 +63,8 @@ class ZmqHarness:
         if r.get("health"):
             extra["source.zmq.health_url"] = r["health"]
         side = self.h.start_sidecar(**{**extra, **settings})
-        self.pub.call("wait_subscribers", n=1)
+        if wait:
+            self.pub.call("wait_subscribers", n=1)
         return side
 
     def truth(self) -> set[tuple[int, str]]:
@@ -382,3 +386,67 @@ async def test_zmq_source_sidecar_started_before_its_engine_forgets_nothing(
     await z.converge()
     st = await z.settle(lambda s: s["state"] == "READY")
     assert _forgets(st) == {}
+
+
+WINDOW: dict[
+    str, Any
+] = {  # issue #24 §2: a window of 16 384 live keys, 8 stored and 8 removed per batch
+    "events": 0,
+    "rate": 20_000,
+    "batch_events": 16,
+    "blocks_per_event": 1,
+    "max_held": 16_384,
+    "remove_prob": 0.0,  # stores until the window is full, then a remove for every store
+    "dup_prob": 0.0,
+    "mediums": ["GPU"],
+}
+
+
+async def _paused_engine_while_the_sidecar_restarts(z: ZmqHarness, **settings: Any) -> Any:
+    """The engine is SIGSTOPped with a full window; the sidecar is SIGKILLed and restarted
+    while it stays stopped, so the replay from the checkpoint goes unanswered."""
+    pub = z.start_engine()
+    side = z.start_sidecar(**settings)
+    pub.call("workload", **WINDOW)
+    await z.settle(lambda s: s["zmq_held_blocks"] >= 16_000 and 0 <= s["checkpoint_age_s"] < 1)
+    os.kill(pub.p.pid, signal.SIGSTOP)
+    side.kill()
+    z.start_sidecar(wait=False, **settings)
+    await z.settle(lambda s: _forgets(s).get("replay_timeout", 0) >= 1)
+    return pub
+
+
+async def test_zmq_source_replay_timeout_while_the_engine_is_paused_is_not_final(
+    z: ZmqHarness,
+) -> None:
+    """Issue #24 §2: the sidecar restarted from its checkpoint while the engine was stopped for
+    longer than the replay timeout forgot the replica for good (14 488 of 16 384 keys missing
+    from KVCM for as long as the engine kept them). The forget is undone once the engine is
+    back: its buffer still holds the life since the checkpoint."""
+    pub = await _paused_engine_while_the_sidecar_restarts(z)
+    os.kill(pub.p.pid, signal.SIGCONT)
+    pub.call("stop")  # the engine goes on a little, then stops publishing: its truth is final
+    await z.converge()
+    st = await z.settle(lambda s: s["state"] == "READY" and not s["zmq_recovery"]["pending"])
+    assert _forgets(st) == {"replay_timeout": 1} and st["zmq_replays"]["recovered"] == 1
+
+
+async def test_zmq_source_engine_stopped_past_the_whole_retry_budget_still_converges(
+    z: ZmqHarness,
+) -> None:
+    budget = {"source.zmq.replay_retries": "2", "source.zmq.replay_retry_cap_s": "0.5"}
+    pub = await _paused_engine_while_the_sidecar_restarts(z, **budget)
+    await z.settle(  # every timed attempt spent, the engine still stopped
+        lambda s: (
+            s.get("zmq_recovery", {}).get("attempts") == 2
+            and s["zmq_recovery"]["next_attempt_in_s"] is None
+            and not s["zmq_recovery"]["in_flight"]
+        ),
+        within_s=30,
+    )
+    os.kill(pub.p.pid, signal.SIGCONT)
+    pub.call("stop")
+    await z.converge()
+    st = await z.settle(lambda s: not s["zmq_recovery"]["pending"])
+    assert st["zmq_replays"]["recovery_retry"] == 2
+    assert st["zmq_replays"]["recovery_stream_back"] >= 1

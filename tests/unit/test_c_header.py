@@ -1,8 +1,8 @@
 """engine_hook/include/kvcm_ring.h against the Python producer: compile checks, descriptor and
 segment-name fidelity, gating, attach errors as codes, problem counters, snapshots, doorbell.
 
-The C engine is tests/c/kvcm_test_engine.c, compiled once per run with the system compiler (the
-tests skip, saying so, only when there is none) and run as a real separate process.
+The C engine is sidecar/testbed/c/kvcm_test_engine.c, compiled once per run with the system compiler
+(the tests skip, saying so, only when there is none) and run as a real separate process.
 """
 
 from __future__ import annotations

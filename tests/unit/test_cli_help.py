@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from sidecar.cli import build_parser
-from tests.proc import ROOT
+from sidecar.testbed.proc import ROOT
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:

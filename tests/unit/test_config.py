@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sidecar import config as C
-from tests.proc import ROOT
+from sidecar.testbed.proc import ROOT
 
 GOOD = {
     "KV_CACHE_EVENT_MANAGER_ENDPOINT": "http://127.0.0.1:6382",

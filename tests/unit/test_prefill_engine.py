@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from engine_hook.block_cache import BlockCache, GroupSpec
-from engine_hook.prefill_engine import Cost, PrefillEngine, cached_tokens
 from sidecar.replay.router import CostModel
+from sidecar.testbed.prefill_engine import Cost, PrefillEngine, cached_tokens
 
 
 class Hook:
@@ -117,7 +117,7 @@ def test_prefill_engine_cost_equals_the_routers_model(tokens: int, cached: int) 
 
 def test_prefill_engine_import_loads_nothing_heavy_and_no_sidecar_core() -> None:
     code = (
-        "import sys, engine_hook.prefill_engine\n"
+        "import sys, sidecar.testbed.prefill_engine\n"
         "bad = [m for m in ('aiohttp', 'uvloop', 'prometheus_client', 'msgspec', 'sidecar.replay')"
         " if m in sys.modules]\n"
         "print(','.join(bad))\n"

@@ -1,7 +1,7 @@
 """Prefill-only engine process for `kvcm-sidecar replay`: a FIFO queue before the reference block
 cache (LRU, capacity in blocks) that reports through the real hook and ring.
 
-Imports: stdlib, engine_hook. `python -m engine_hook.prefill_engine JSON`; JSON-line commands on
+Imports: stdlib, engine_hook. `python -m sidecar.testbed.prefill_engine JSON`; JSON-line commands on
 stdin, events on stdout. Virtual time (wall = t0 + v / speed): a request starts at max(arrival,
 previous end), looks up its prefix then, stores its blocks at its end; events apply in v order.
 """

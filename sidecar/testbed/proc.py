@@ -1,4 +1,7 @@
-"""Drive tests/engine_proc.py as a real child process with line-based handshakes (no sleeps)."""
+"""Drive sidecar/testbed/ring_engine.py as a real child process with line-based handshakes.
+
+Imports: stdlib. No sleeps: every wait is on a line the engine prints, with a timeout.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +15,13 @@ from pathlib import Path
 from queue import Empty, Queue
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent  # the source tree (tests, docs, deploy)
 
 
 class EngineProc:
     def __init__(self, mode: str, args: dict[str, Any]) -> None:
         self.p = subprocess.Popen(
-            [sys.executable, "-m", "tests.engine_proc", mode, json.dumps(args)],
+            [sys.executable, "-m", "sidecar.testbed.ring_engine", mode, json.dumps(args)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             cwd=ROOT,

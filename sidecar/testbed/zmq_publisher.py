@@ -1,8 +1,8 @@
 """A vLLM/SGLang-compatible ZMQ KV-event publisher: the engine in the ZMQ source's tests and demo.
-Imports stdlib, msgspec, pyzmq; engine_hook/__init__.py never imports it (tested: `import
-engine_hook` loads no zmq). As in vLLM, the engine thread Queue.puts one batch of typed structs
-per step; one publisher thread owns the sockets, assigns seq (from 0 per life), msgpacks, sends
-and serves replay. `truth()` is what a correct sidecar holds. Process mode and its JSON-lines
+Imports stdlib, msgspec, pyzmq (part of the test bed, never of what an engine imports: `import
+engine_hook` loads no zmq, tested). As in vLLM, the engine thread Queue.puts one batch of typed
+structs per step; one publisher thread owns the sockets, assigns seq (from 0 per life), msgpacks,
+sends and serves replay. `truth()` is what a correct sidecar holds. Process mode and its JSON-lines
 protocol: `serve()` below and docs/zmq.md.
 """
 
@@ -1035,7 +1035,7 @@ class _Server:
 def serve(pub: Publisher, inp: Any = None, out: Any = None) -> None:
     """Process mode: one JSON object per stdin line, one JSON reply per line on stdout.
 
-    Start: `python -m engine_hook.zmq_publisher [--flavour vllm|sglang] [--hash-kind int|bytes]
+    Start: `python -m sidecar.testbed.zmq_publisher [--flavour vllm|sglang] [--hash-kind int|bytes]
     [--encoding map|positional|positional_v0] [--endpoint tcp://127.0.0.1:*] [--replay-endpoint
     EP|none] [--bind|--connect] [--topic T] [--buffer-steps N] [--dp-rank N|none]
     [--block-size N] [--replay-topic auto|yes|no] [--health]`. First line on stdout:
@@ -1073,9 +1073,9 @@ def serve(pub: Publisher, inp: Any = None, out: Any = None) -> None:
 
 def _parse(argv: Sequence[str] | None) -> PublisherConfig:
     ap = argparse.ArgumentParser(
-        prog="python -m engine_hook.zmq_publisher",
+        prog="python -m sidecar.testbed.zmq_publisher",
         description="A vLLM/SGLang-compatible ZMQ KV-event publisher driven by JSON lines.",
-        epilog="Commands: see engine_hook.zmq_publisher.serve and docs/zmq.md.",
+        epilog="Commands: see sidecar.testbed.zmq_publisher.serve and docs/zmq.md.",
     )
     ap.add_argument("--endpoint", default="tcp://127.0.0.1:*")
     ap.add_argument("--replay-endpoint", default="tcp://127.0.0.1:*", help="or none")
@@ -1150,8 +1150,8 @@ class PublisherProcess:
     and raises PublisherError on {"ok": false}. `ready` holds the endpoints it printed."""
 
     def __init__(self, *, timeout: float = 30.0, **cfg: Any) -> None:
-        # Run the file itself, not `-m engine_hook.zmq_publisher`: the package's __init__ would
-        # import numpy and the ring for nothing (this module needs neither) and double the start.
+        # Run the file itself, not `-m`: no package is imported on the way (this module needs
+        # stdlib, msgspec and pyzmq only), which keeps its start short.
         argv = [sys.executable, str(Path(__file__).resolve()), *self.args(**cfg)]
         self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._lines: queue.Queue[str] = queue.Queue()

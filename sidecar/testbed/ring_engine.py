@@ -1,4 +1,4 @@
-"""A real engine-side process for tests: `python -m tests.engine_proc MODE JSON-ARGS`.
+"""A real engine-side process for tests: `python -m sidecar.testbed.ring_engine MODE JSON-ARGS`.
 
 It prints one JSON line `{"ready": ...}` once attached (tests wait on it instead of sleeping) and
 one JSON result line when done. Modes:

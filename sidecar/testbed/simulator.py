@@ -1,6 +1,6 @@
 """Engine simulator for the demo: the reference block cache under a synthetic chat workload.
 
-Imports: stdlib, numpy, engine_hook. Run as `python -m engine_hook.simulator JSON`; it prints
+Imports: stdlib, numpy, engine_hook. Run as `python -m sidecar.testbed.simulator JSON`; it prints
 JSON lines on stdout: `ready`; after "go" on stdin, periodic `stats`; after "quiet", the final
 `published` set plus sampled (key, stored-at, unpublished-at) for latency measurement.
 Requests share a few long system prompts (so prefixes repeat across requests) and the cache is
