@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 
 from sidecar.shm_ring.segment import unlink
+from sidecar.testbed.proc import ROOT, EngineProc
 from tests.integration.harness import SidecarProc
-from tests.proc import ROOT, EngineProc
 
 REDIS = shutil.which("redis-server") or (
     "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None

@@ -24,6 +24,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from sidecar.testbed.proc import ROOT
 from tests.integration.cluster import (
     Node,
     Rank,
@@ -37,7 +38,6 @@ from tests.integration.cluster import (
     until,
 )
 from tests.integration.harness import SIDECAR_SETTINGS, Harness
-from tests.proc import ROOT
 
 pytestmark = [pytest.mark.slow, needs_redis]
 LEASE_MS = 1000
