@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.integration.cluster import (
+from sidecar.testbed.kvcm_cluster import (
     REDIS,
     Node,
     Rank,

@@ -1,7 +1,9 @@
-"""A KVCM cluster for tests: a real redis-server on 127.0.0.1 (temp dir, free port) and
-`kvcm-sidecar kvcm-server --meta-storage` nodes as real processes (SIGKILL, SIGSTOP work).
+"""A KVCM cluster on this machine, for tests and bench.failover: a real redis-server on
+127.0.0.1 (temp dir, free port), `kvcm-sidecar kvcm-server --meta-storage` nodes and ranks (a
+plain-hook ring engine + a `kvcm-sidecar run`) as real processes (SIGKILL, SIGSTOP work).
 
-Every wait is on a line a process printed or on a polled condition with a deadline.
+Imports: stdlib, sidecar.shm_ring, sidecar.testbed.proc. Every wait is on a line a process
+printed or on a polled condition with a deadline.
 """
 
 from __future__ import annotations
@@ -23,17 +25,11 @@ from pathlib import Path
 from queue import Empty, Queue
 from typing import Any
 
-import pytest
-
 from sidecar.shm_ring.segment import unlink
 from sidecar.testbed.proc import ROOT, EngineProc
-from tests.integration.harness import SidecarProc
 
 REDIS = shutil.which("redis-server") or (
     "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None
-)
-needs_redis = pytest.mark.skipif(
-    REDIS is None, reason="redis-server is not installed (.ci/run installs Debian's)"
 )
 
 
@@ -121,18 +117,18 @@ class RedisProc:
 
 
 def post(base: str, route: str, body: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
-    req = urllib.request.Request(
+    req = urllib.request.Request(  # noqa: S310 - an http URL built for a node on 127.0.0.1
         f"{base}/api/{route}",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
+    with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - as above
         out: dict[str, Any] = json.loads(resp.read())
         return out
 
 
 def get(base: str, path: str, timeout: float = 5.0) -> dict[str, Any]:
-    with urllib.request.urlopen(f"{base}{path}", timeout=timeout) as resp:
+    with urllib.request.urlopen(f"{base}{path}", timeout=timeout) as resp:  # noqa: S310 - loopback
         out: dict[str, Any] = json.loads(resp.read())
         return out
 
@@ -256,8 +252,14 @@ class Rank:
                 "KV_CACHE_EVENT_LOG_FORMAT": "json",
             }
         )
-        self.sidecar = SidecarProc(env, settings)
-        line = self.sidecar.wait_line("http listening")
+        argv = [sys.executable, "-m", "sidecar.cli", "run"]
+        for k, v in settings.items():
+            argv += ["--set", f"{k}={v}"]
+        self.sidecar = subprocess.Popen(
+            argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.sidecar_lines = Lines(self.sidecar)
+        line = self.sidecar_lines.wait("http listening")
         self.metrics_port = int(json.loads(line)["msg"].rsplit(":", 1)[1])
 
     def work(self, n: int) -> None:
@@ -281,7 +283,11 @@ class Rank:
         )
 
     def close(self) -> None:
-        self.sidecar.close()
+        if self.sidecar.poll() is None:
+            self.sidecar.kill()
+        self.sidecar.wait(timeout=10)
+        if self.sidecar.stdout is not None:
+            self.sidecar.stdout.close()
         self.engine.close()
         unlink(self.ring)
 
