@@ -4,8 +4,8 @@ Imports: stdlib, aiohttp, msgspec, kvcm_client.client. `Discovery.step()` runs o
 the current leader, then the seeds in turn) and returns; the daemon's loop calls it at start,
 every `manager.discovery_interval_s` and at once when `note()` saw SERVER_NOT_LEADER, a refused
 connection or a timeout. Rounds after a failure back off (full jitter) and are bounded. Only a
-valid reply moves the client; an older KVCM without the route (404, UNSUPPORTED) keeps the
-seed; a malformed or inconsistent reply is counted and ignored (docs/operations.md).
+valid reply whose leader confirms itself moves the client; an older KVCM without the route
+(404, UNSUPPORTED) keeps the seed; a malformed or inconsistent reply is counted and ignored.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Outcome(enum.StrEnum):
     UNSUPPORTED = "unsupported"  # 404 / UNSUPPORTED: an older KVCM, the seed is used as is
     MALFORMED = "malformed"  # undecodable, no leader_endpoint, bad host or port, ids disagree
     FALSE_LEADER = "false_leader"  # names a node that just answered SERVER_NOT_LEADER
-    STALE = "stale"  # names the leader that just failed to answer (no election yet)
+    STALE = "stale"  # names a leader that does not answer as one (no election yet, wrong port)
     ERROR = "error"  # another KVCM code (SERVICE_NOT_READY: no leader elected, ...)
     UNREACHABLE = "unreachable"  # refused, timed out, HTTP 5xx
 
@@ -226,6 +226,17 @@ class Discovery:
             return Outcome.MALFORMED, None, False, "oversize reply"
         return parse(raw)
 
+    async def _confirms(self, candidate: Leader) -> bool:
+        """Does the node another one named answer, naming itself the leader?"""
+        outcome, leader, named_self, _ = await self._ask(candidate.url)
+        if outcome is Outcome.UNREACHABLE:
+            self.outcomes[outcome] += 1
+        if outcome is not Outcome.OK or leader is None or not named_self:
+            return False
+        if candidate.node_id:
+            return leader.node_id == candidate.node_id
+        return leader.url == candidate.url
+
     async def step(self) -> bool:
         """One round. Returns True when a leader (or a seed, for an older KVCM) was settled."""
         trigger = self.wanted or Trigger.INTERVAL
@@ -246,6 +257,17 @@ class Discovery:
                     why = f"names {leader.url}, which just failed ({how})"
                     if named_self and how is Trigger.NOT_LEADER:
                         why = f"{url} names itself leader but answered SERVER_NOT_LEADER"
+            if (
+                outcome is Outcome.OK
+                and leader is not None
+                and not named_self
+                and leader.url != self.leader.url
+                and not await self._confirms(leader)
+            ):
+                # Named by another node, but not reachable as the leader (a wrong port, a
+                # dead node no election has replaced yet, a follower): not news.
+                outcome = Outcome.STALE
+                why = f"names {leader.url}, which does not answer as the leader"
             self.outcomes[outcome] += 1
             if outcome is Outcome.OK and leader is not None:
                 found = leader

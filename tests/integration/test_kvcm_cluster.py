@@ -235,6 +235,8 @@ def _bad_reply(kind: str, front_port: int, real_port: int) -> dict[str, Any]:
         return {**ok, "leader_node_id": "real"}
     if kind == "wrong_port":
         return {**ok, "leader_node_id": "real", "leader_endpoint": {**ep, "meta_http_port": 0}}
+    if kind == "closed_port":  # a valid port where nothing answers
+        return {**ok, "leader_node_id": "real", "leader_endpoint": {**ep, "meta_http_port": 9}}
     # A follower that names itself the leader (and answers SERVER_NOT_LEADER to Meta calls).
     ep = {**ep, "node_id": "front", "meta_http_port": front_port}
     return {**ok, "leader_node_id": "front", "leader_endpoint": ep}
@@ -245,6 +247,7 @@ def _bad_reply(kind: str, front_port: int, real_port: int) -> dict[str, Any]:
     [
         ("no_leader_endpoint", "malformed"),
         ("wrong_port", "malformed"),
+        ("closed_port", "stale"),
         ("follower_naming_itself", "false_leader"),
     ],
 )

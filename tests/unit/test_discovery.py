@@ -199,6 +199,17 @@ async def test_discovery_finds_the_new_leader_after_an_election(make: Make) -> N
     assert d.client.base == c.url and d.leader_changes == 1
 
 
+async def test_discovery_named_leader_that_does_not_confirm_is_not_taken(make: Make) -> None:
+    """A seed names a leader at a port where nothing answers (or a node that is no leader):
+    the client stays where it works."""
+    d, (a, b) = await make(2)
+    a.answer = (200, reply("a", "z", 9))  # nothing listens on the discard port
+    b.answer = (200, reply("b", "a", a.port))  # b names a, but a names z
+    assert await d.step()  # b's answer names a, the leader in use
+    assert d.client.base == a.url and d.leader_changes == 0
+    assert d.outcomes[Outcome.STALE] == 1 and d.outcomes[Outcome.UNREACHABLE] == 1
+
+
 async def test_discovery_dead_first_seed_is_skipped(make: Make) -> None:
     d, (b,) = await make(1, "http://127.0.0.1:9")  # nothing listens on the discard port
     b.answer = (200, reply("b", "b", b.port))
@@ -209,7 +220,8 @@ async def test_discovery_dead_first_seed_is_skipped(make: Make) -> None:
 
 async def test_discovery_ignores_failures_of_a_leader_already_left(make: Make) -> None:
     d, (a, b) = await make(2)
-    a.answer = b.answer = (200, reply("x", "b", b.port))
+    a.answer = (200, reply("a", "b", b.port))
+    b.answer = (200, reply("b", "b", b.port))
     assert await d.step()
     d.note(Result(Action.RETRY, "SERVER_NOT_LEADER", endpoint=a.url))  # an old request's answer
     assert d.wanted is None
