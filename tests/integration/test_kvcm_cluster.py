@@ -104,8 +104,8 @@ def test_cluster_leader_sigkill_follower_takes_lease_and_sidecars_converge(
         info = new.cluster()
         elected_at = info["elected_at"]  # CLOCK_MONOTONIC: one clock for all processes here
         # The old lease ran out at most one lease after the kill; the follower took it then
-        # (slack for scheduling on a loaded machine, not a speed claim).
-        assert elected_at - killed_at <= LEASE_MS / 1000 + 1.0, elected_at - killed_at
+        # (slack for scheduling on a loaded 2-core machine, not a speed claim).
+        assert elected_at - killed_at <= LEASE_MS / 1000 + 2.0, elected_at - killed_at
         until(lambda: work.batches >= 3 + 3, 20, "the workload goes on through the failover")
         work.join()
         done_at = until(lambda: converged(rest, new, ranks), 30, "converged on the new leader")
