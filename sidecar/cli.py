@@ -143,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="ring: engine_hook engines (default); zmq: two vLLM-format ZMQ KV-event engines "
         "(int hashes, 32-byte digests; GPU and CPU) with a gap and a sidecar restart",
     )
+    d.add_argument(
+        "--cluster",
+        action="store_true",
+        help="a KVCM cluster: redis-server + 3 cluster-mode servers, the leader SIGKILLed "
+        "mid-run (ring source; needs redis-server and the 'cluster' extra)",
+    )
     _sub(
         sub,
         "include-dir",
@@ -193,6 +199,25 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=30000,
         help="snapshots closer together are SNAPSHOT_RATE_LIMITED",
+    )
+    s.add_argument(
+        "--meta-storage",
+        default=None,
+        metavar="redis://HOST:PORT/DB",
+        help="cluster mode: storages, groups and instances in this Redis; nodes on one Redis "
+        "elect one leader by lease, followers answer SERVER_NOT_LEADER",
+    )
+    s.add_argument("--node-id", default=None, help="this node's id (cluster mode: required)")
+    s.add_argument(
+        "--advertise-host",
+        default=None,
+        help="host that getClusterInfo names for this node (default: --host)",
+    )
+    s.add_argument(
+        "--lease-ms",
+        type=int,
+        default=10000,
+        help="cluster mode: the leader lease (renewed at a third)",
     )
     _replay_parser(sub)
     return p
@@ -269,7 +294,28 @@ async def run_kvcm_server(args: argparse.Namespace) -> None:
     # A big request decodes into ~10 objects per event; default gen0 thresholds would run the
     # collector hundreds of times per request in this dedicated process.
     gc.set_threshold(100_000, 50, 100)
+    cluster = None
+    if args.meta_storage is not None:
+        from sidecar.kvcm_server.cluster import Cluster, Endpoint
+
+        if not args.node_id or args.lease_ms < 30 or args.state_file is not None:
+            sys.stderr.write(
+                "kvcm-server: --meta-storage needs --node-id and --lease-ms >= 30, and no "
+                "--state-file\n"
+            )
+            sys.exit(EXIT_CONFIG)
+        try:
+            cluster = Cluster(
+                args.meta_storage,
+                Endpoint(args.node_id, args.advertise_host or args.host, 0, 0),
+                lease_s=args.lease_ms / 1000,
+            )
+        except ValueError as exc:
+            sys.stderr.write(f"kvcm-server: {exc}\n")
+            sys.exit(EXIT_CONFIG)
     server = KvcmServer(
+        cluster=cluster,
+        node_id=args.node_id or "kvcm-standin",
         state_file=args.state_file,
         bootstrap=args.bootstrap,
         group=args.group,
@@ -297,6 +343,9 @@ async def run_kvcm_server(args: argparse.Namespace) -> None:
         # One line per listener on stdout: scripts and tests read the bound port from it.
         sys.stdout.write(f"kvcm-server {role} listening on http://{args.host}:{bound}\n")
         sys.stdout.flush()
+        if cluster is not None and role == "meta":
+            node = cluster.node
+            cluster.node = Endpoint(node.node_id, node.host, 0, bound)
     # Everything alive now (modules, the app, a restored state file) lives as long as the
     # process: keep full collections from walking it (they paused requests ~50 ms).
     gc.freeze()
@@ -304,7 +353,14 @@ async def run_kvcm_server(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    async with asyncio.TaskGroup() as tg:
+        lease = tg.create_task(cluster.run(), name="lease") if cluster is not None else None
+        await stop.wait()
+        if lease is not None:
+            lease.cancel()
+    if cluster is not None:
+        await server.save_blocks()  # what changed since the last save, while still the leader
+        await cluster.release()  # before the listeners close: a follower takes over at once
     for runner in runners:
         await runner.cleanup()
 
@@ -376,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             sys.exit(demo_zmq.run(args.duration, args.seed))
         from sidecar import demo
 
-        sys.exit(demo.run(args.duration, args.ranks, args.seed))
+        sys.exit(demo.run(args.duration, args.ranks, args.seed, args.cluster))
     if args.command == "kvcm-server":
         logs.setup()
         uvloop.run(run_kvcm_server(args))

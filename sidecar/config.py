@@ -31,11 +31,19 @@ class Frozen(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 
 
 class ManagerConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    # One URL, or a comma-separated list of seed URLs of a KVCM cluster: the sidecar asks them
+    # for the leader (getClusterInfo) and sends everything there (docs/operations.md, KVCM cluster).
     endpoint: str = ""
     instance_group: str = "default"
     request_timeout_s: PosFloat = 1.5
     snapshot_timeout_s: PosFloat = 30.0
     max_response_bytes: PosInt = 1 << 20
+    discovery_interval_s: PosFloat = 30.0  # getClusterInfo again this often (and on failures)
+
+    @property
+    def seeds(self) -> tuple[str, ...]:
+        """The seed URLs of `endpoint`, in order, without a trailing slash."""
+        return tuple(s.strip().rstrip("/") for s in self.endpoint.split(",") if s.strip())
 
 
 class IdentityConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -163,10 +171,12 @@ class Config(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
             _check_zmq(self.source.zmq)
         if not self.manager.endpoint:
             raise ValueError("manager.endpoint is required when publisher_type=kvcm")
-        if not _ENDPOINT.fullmatch(self.manager.endpoint):
-            raise ValueError(
-                f"manager.endpoint {self.manager.endpoint!r} must be http(s)://host:port"
-            )
+        for seed in self.manager.endpoint.split(","):
+            if not _ENDPOINT.fullmatch(seed.strip()):
+                raise ValueError(
+                    f"manager.endpoint entry {seed.strip()!r} must be http(s)://host:port"
+                    " (one URL, or seed URLs separated by commas)"
+                )
         if not self.identity.instance_id:
             raise ValueError("identity.instance_id is required when publisher_type=kvcm")
         if not self.identity.host_ip_port and not (

@@ -24,7 +24,8 @@ from aiohttp import web
 
 from sidecar.config import Config, parse_addr
 from sidecar.key_state import KeyState
-from sidecar.kvcm_client.client import KvcmClient
+from sidecar.kvcm_client.client import KvcmClient, Result
+from sidecar.kvcm_client.discovery import Discovery
 from sidecar.metrics.registry import Metrics
 from sidecar.metrics.server import build_app
 from sidecar.publisher import Publisher, State
@@ -85,6 +86,7 @@ class Daemon:
         self.work = asyncio.Event()
         self.metrics = Metrics()
         self.publisher: Publisher | None = None
+        self.discovery: Discovery | None = None
         self.http_port = 0
         self.started = asyncio.Event()  # set once the HTTP endpoints listen (tests wait on it)
 
@@ -97,7 +99,8 @@ class Daemon:
                 if self.cfg.publisher_type == "none"
                 else "starting",
             }
-        return self.publisher.status()
+        extra = self.discovery.status() if self.discovery is not None else {}
+        return {**self.publisher.status(), **extra}
 
     def ready(self) -> bool:
         p = self.publisher
@@ -157,18 +160,40 @@ class Daemon:
         cfg = self.cfg
         timeout = aiohttp.ClientTimeout(total=None, connect=cfg.manager.request_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            client = KvcmClient(session, cfg.manager.endpoint, cfg.manager.max_response_bytes)
-            p = Publisher(cfg, client, source, clock=self.clock, on_request=self.metrics.observe)
+            seeds = cfg.manager.seeds
+            client = KvcmClient(session, seeds[0], cfg.manager.max_response_bytes)
+            disc = Discovery(
+                seeds,
+                session,
+                client,
+                timeout_s=cfg.manager.request_timeout_s,
+                interval_s=cfg.manager.discovery_interval_s,
+                clock=self.clock,
+            )
+
+            def on_request(op: str, result: Result) -> None:
+                self.metrics.observe(op, result)
+                disc.note(result)  # SERVER_NOT_LEADER, refused, timed out: find the leader
+
+            p = Publisher(cfg, client, source, clock=self.clock, on_request=on_request)
             p.on_reregister = self.work.set
-            self.publisher = p
+
+            def on_leader(_leader: object) -> None:
+                p.leader_changed()
+                self.work.set()
+
+            disc.on_change = on_leader
+            self.publisher, self.discovery = p, disc
             self.metrics.attach(p)
+            self.metrics.attach_discovery(disc)
             runner = await self._start_http()
             try:
                 try:
                     async with asyncio.TaskGroup() as tg:
                         for name, loop in source.loops(self.work).items():
                             tg.create_task(loop, name=name)  # type: ignore[arg-type]
-                        tg.create_task(self._report_loop(p), name="report")
+                        tg.create_task(disc.run(), name="discovery")
+                        tg.create_task(self._report_loop(p, disc.first_round), name="report")
                         tg.create_task(self._heartbeat_loop(p), name="heartbeat")
                         tg.create_task(self._watch_loop(p), name="engine-watch")
                         tg.create_task(self._stop_waiter(), name="stop")
@@ -183,7 +208,9 @@ class Daemon:
         await self.stop.wait()
         raise _Stop
 
-    async def _report_loop(self, p: Publisher) -> None:
+    async def _report_loop(self, p: Publisher, discovered: asyncio.Event | None = None) -> None:
+        if discovered is not None:
+            await discovered.wait()  # register with the leader, not the first seed that answers
         window = self.cfg.report.flush_window_s
         send_at = min(self.cfg.report.flush_at_keys, self.cfg.report.batch_max_keys)
         while True:

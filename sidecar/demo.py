@@ -3,7 +3,9 @@
 Starts the KVCM-compatible server, then per dp rank an engine simulator and a sidecar; shows live
 counters; restarts one sidecar and overflows another rank's ring; checks that KVCM shows exactly
 each engine's published keys; ends with a short replay (round_robin vs kvcm) on the same KVCM.
-Exit 0 only if all converged and the replay was consistent. Imports: stdlib, aiohttp, sidecar.
+Exit 0 only if all converged and the replay was consistent. With `--cluster`: a real
+redis-server and three cluster-mode servers instead, the sidecars given all three as seeds, and
+the leader SIGKILLed mid-run instead of a sidecar (no replay). Imports: stdlib, aiohttp, sidecar.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
+import socket
 import statistics
 import sys
 import tempfile
@@ -44,7 +48,19 @@ class Rank:
 
 
 class Demo:
-    def __init__(self, duration_s: float, ranks: int, seed: int, out: Any = sys.stdout) -> None:
+    def __init__(
+        self,
+        duration_s: float,
+        ranks: int,
+        seed: int,
+        out: Any = sys.stdout,
+        *,
+        cluster: bool = False,
+    ) -> None:
+        self.cluster = cluster
+        self.redis: Proc | None = None
+        self.nodes: list[tuple[Proc, str]] = []  # (process, base URL)
+        self.seeds = ""
         self.duration_s = duration_s
         self.n = ranks
         self.seed = seed
@@ -67,7 +83,7 @@ class Demo:
     async def start_sidecar(self, rk: Rank) -> None:
         rk.sidecar, rk.metrics_port = await start_sidecar(
             self.tasks,
-            endpoint=self.base,
+            endpoint=self.seeds or self.base,
             instance_id=self.instance,
             dp_rank=rk.r,
             host=rk.host,
@@ -91,16 +107,24 @@ class Demo:
                 unlink(rk.ring)
             if self.server is not None and self.server.p.returncode is None:
                 await self.server.stop()
+            for node, _ in self.nodes:
+                if node.p.returncode is None:
+                    await node.stop()
+            if self.redis is not None and self.redis.p.returncode is None:
+                await self.redis.stop(signal.SIGKILL)
             for t in self.tasks:
                 t.cancel()
             await asyncio.gather(*self.tasks, return_exceptions=True)
 
     async def _run(self) -> int:
         self.say(f"kvcm-sidecar demo: {self.n} dp ranks, {self.duration_s:.0f} s, seed {self.seed}")
-        self.server, self.base = await start_kvcm_server(
-            self.tasks, "--state-file", str(self.tmp / "kvcm.json")
-        )
-        self.say(f"  KVCM-compatible server at {self.base} (bootstrapped group 'default')")
+        if self.cluster:
+            await self._start_cluster()
+        else:
+            self.server, self.base = await start_kvcm_server(
+                self.tasks, "--state-file", str(self.tmp / "kvcm.json")
+            )
+            self.say(f"  KVCM-compatible server at {self.base} (bootstrapped group 'default')")
         for rk in self.ranks:
             args = {
                 "instance_id": self.instance,
@@ -149,7 +173,7 @@ class Demo:
                 assert rk.engine is not None and rk.sidecar is not None
                 await rk.engine.send("exit")
                 await rk.sidecar.stop()
-        replayed = await self._replay()
+        replayed = await self._replay() if not self.cluster else True
         self.say("")
         self.say(
             "  RESULT: "
@@ -185,6 +209,9 @@ class Demo:
         t0 = time.monotonic()
         restarted = overflowed = False
         while (elapsed := time.monotonic() - t0) < self.duration_s:
+            if not restarted and elapsed >= self.duration_s / 2 and self.cluster:
+                restarted = True
+                await self._kill_leader(s)
             if not restarted and elapsed >= self.duration_s / 2:
                 restarted = True
                 rk = self.ranks[0]
@@ -198,8 +225,11 @@ class Demo:
             events = sum(rk.engine.last.get("events", 0) for rk in self.ranks if rk.engine)
             pub = sum(rk.engine.last.get("published", 0) for rk in self.ranks if rk.engine)
             drops = sum(rk.engine.last.get("dropped", 0) for rk in self.ranks if rk.engine)
-            dbg = await self.get(s, f"{self.base}/debug/reporters")
-            reqs = sum(dbg["requests"].values())
+            try:
+                dbg = await self.get(s, f"{self.base}/debug/reporters")
+                reqs = sum(dbg["requests"].values())
+            except aiohttp.ClientError:
+                reqs = -1
             resyncs = 0
             for rk in self.ranks:
                 try:
@@ -220,6 +250,61 @@ class Demo:
             await asyncio.sleep(0.5)  # the progress display's refresh period
         if self.tty:
             self.out.write("\n")
+
+    # ---- --cluster ------------------------------------------------------------------------
+    async def _start_cluster(self) -> None:
+        redis = shutil.which("redis-server")
+        if redis is None:
+            raise SystemExit("demo --cluster needs redis-server (apt-get install redis-server)")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.redis = await _spawn(
+            "redis",
+            redis,
+            *("--bind", "127.0.0.1", "--port", str(port), "--dir", str(self.tmp)),
+            *("--save", "", "--appendonly", "no", "--logfile", ""),
+            tasks=self.tasks,
+        )
+        await self.redis.expect(lambda x: isinstance(x, str) and "Ready to accept" in x)
+        url = f"redis://127.0.0.1:{port}/0"
+        for i in range(3):
+            node, base = await start_kvcm_server(
+                self.tasks,
+                *("--meta-storage", url, "--node-id", f"kvcm-{i}", "--lease-ms", "2000"),
+            )
+            self.nodes.append((node, base))
+        self.seeds = ",".join(base for _, base in self.nodes)
+        self.base = await self._leader()
+        self.say(
+            f"  KVCM cluster: redis-server at {url}, 3 nodes (2 s lease), leader {self.base};"
+            " the sidecars get all three as seeds"
+        )
+
+    async def _leader(self, within_s: float = 15.0) -> str:
+        """The base URL of the node that leads (polled, bounded)."""
+        async with aiohttp.ClientSession() as s, asyncio.timeout(within_s):
+            while True:
+                for node, base in self.nodes:
+                    if node.p.returncode is not None:
+                        continue
+                    try:
+                        if (await self.get(s, f"{base}/debug/cluster"))["is_leader"]:
+                            return base
+                    except aiohttp.ClientError:
+                        pass
+                await asyncio.sleep(0.05)  # polling other processes, bounded by the timeout
+
+    async def _kill_leader(self, s: aiohttp.ClientSession) -> None:
+        node = next(n for n, base in self.nodes if base == self.base)
+        self.say(f"  fault: SIGKILL the KVCM leader ({self.base}) while the engines work")
+        t0 = time.monotonic()
+        await node.stop(signal.SIGKILL)
+        self.base = await self._leader()
+        self.say(
+            f"  a follower took the lease after {time.monotonic() - t0:.1f} s: new leader"
+            f" {self.base}; the sidecars find it and resnapshot"
+        )
 
     async def _visible(self, s: aiohttp.ClientSession, host: str) -> set[str]:
         dbg = await self.get(s, f"{self.base}/debug/reporters")
@@ -268,10 +353,16 @@ class Demo:
                 f"{'yes' if ok[rk.r] else 'NO'}"
             )
         self.say("")
-        self.say(
-            "  (latency: engine step -> first arrival at KVCM; rank 0 includes the restart,"
-            f" rank {self.overflow_rank.r} the overflow)"
-        )
+        if self.cluster:
+            self.say(
+                "  (latency: engine step -> first arrival at the current leader; keys"
+                " published before the failover count until the resnapshot reached it)"
+            )
+        else:
+            self.say(
+                "  (latency: engine step -> first arrival at KVCM; rank 0 includes the restart,"
+                f" rank {self.overflow_rank.r} the overflow)"
+            )
         self.say("")
 
     async def _replay(self) -> bool:
@@ -304,7 +395,7 @@ class Demo:
         return ok
 
 
-def run(duration_s: float, ranks: int, seed: int) -> int:
+def run(duration_s: float, ranks: int, seed: int, cluster: bool = False) -> int:
     import uvloop
 
-    return uvloop.run(Demo(duration_s, ranks, seed).run())
+    return uvloop.run(Demo(duration_s, ranks, seed, cluster=cluster).run())

@@ -30,11 +30,16 @@ def _type_name(t: Any) -> str:
     return getattr(t, "__name__", str(t))
 
 
+# Fields whose type alone does not say what they take.
+TYPE_NOTES = {"manager.endpoint": "str: one URL, or seed URLs separated by commas"}
+
+
 def config_table() -> str:
     rows = ["| field | env | type | default |", "|---|---|---|---|"]
     for path, typ, default in field_paths():
         shown = "(empty)" if default == "" else default
-        rows.append(f"| `{path}` | `{env_name(path)}` | {_type_name(typ)} | `{shown}` |")
+        kind = TYPE_NOTES.get(path) or _type_name(typ)
+        rows.append(f"| `{path}` | `{env_name(path)}` | {kind} | `{shown}` |")
     return "\n".join(rows)
 
 

@@ -208,6 +208,18 @@ class Publisher:
         if result.response is not None and result.response.snapshot_required:
             self.need_snapshot = True
 
+    def leader_changed(self) -> None:
+        """KVCM's leader moved (kvcm_client.discovery): retry at once instead of waiting out a
+        backoff earned against the old one, and resnapshot, since a new leader holds what a
+        restarted KVCM holds. The snapshot need not wait for stragglers (ambiguous deltas) or
+        a rate limit: those were the old leader's, whose writes the new one never sees."""
+        self.backoff.reset()
+        self.retry_at = 0.0
+        self.circuit_retry_at = 0.0
+        self.snapshot_not_before = 0.0
+        if self.registered:
+            self.need_snapshot = True
+
     # ---- engine identity and watch --------------------------------------------------------
     def load_identity(self) -> bool:
         try:

@@ -56,6 +56,7 @@ def render(doc: Mapping[str, Any]) -> str:
         "dp_rank",
         "host_ip_port",
         "registered",
+        "manager_leader",
         "engine_sync",
         "engine_incarnation",
         "epoch",

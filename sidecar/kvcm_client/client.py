@@ -103,6 +103,7 @@ class Result:
     failed_items: list[int] = field(default_factory=list)  # indexes, in order
     retry_after_s: float = 0.0
     latency_s: float = 0.0
+    endpoint: str = ""  # the base URL it was sent to (leader discovery: the client may move)
 
     @property
     def ok(self) -> bool:
@@ -158,11 +159,19 @@ class KvcmClient:
         self.max_response_bytes = max_response_bytes
 
     async def post(self, route: str, payload: bytes | memoryview, timeout_s: float) -> Result:
+        base = self.base  # Discovery may move `base` while this is in flight
+        result = await self._post(base, route, payload, timeout_s)
+        result.endpoint = base
+        return result
+
+    async def _post(
+        self, base: str, route: str, payload: bytes | memoryview, timeout_s: float
+    ) -> Result:
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):
                 async with self.session.post(
-                    f"{self.base}/api/{route}",
+                    f"{base}/api/{route}",
                     data=payload,
                     headers={"Content-Type": "application/json"},
                 ) as resp:

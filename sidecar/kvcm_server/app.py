@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
@@ -25,9 +25,14 @@ from sidecar.kvcm_server import proto as P
 from sidecar.kvcm_server.report import EventReport
 from sidecar.kvcm_server.state import ApiError, KeyMap, Loc, State, uri_version
 
+if TYPE_CHECKING:
+    from sidecar.kvcm_server.cluster import Cluster, Meta
+
 log = logging.getLogger(__name__)
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
+# Routes that change what Redis holds in cluster mode (written through before the answer).
+META_WRITES = frozenset({"addStorage", "updateStorage", "createInstanceGroup", "registerInstance"})
 STATE_KEY = web.AppKey("state", State)
 
 
@@ -86,9 +91,17 @@ class KvcmServer:
         group: str = "default",
         max_body: int = DEFAULT_MAX_BODY,
         event_report: dict[str, int] | None = None,
+        cluster: Cluster | None = None,
+        node_id: str = "kvcm-standin",
     ) -> None:
         self.state = State(clock, state_file)
         self.report = EventReport(self.state)
+        self.cluster = cluster
+        self.node_id = cluster.node.node_id if cluster is not None else node_id
+        self.bootstrap_args = (group, event_report or {}) if bootstrap else None
+        if cluster is not None:
+            cluster.on_elected = self._elected
+            cluster.on_deposed = self._deposed
         self.faults = Faults()
         self.max_body = max_body
         self.requests: dict[str, int] = {}
@@ -96,8 +109,52 @@ class KvcmServer:
         # and per instance and key the writes finished successfully (they count as replicas).
         self.sessions: dict[str, tuple[str, list[int], float]] = {}
         self.written: dict[str, dict[int, int]] = {}
-        if bootstrap:
+        if bootstrap and cluster is None:  # a cluster's leader bootstraps when elected
             self.bootstrap(group, event_report or {})
+
+    # ---- cluster mode ----------------------------------------------------------------------
+    def _reset(self, meta: Meta | None, blocks: bytes | None = None) -> None:
+        """Start over as a restarted KVCM does: persisted metadata only (or nothing)."""
+        self.state = State(self.state.clock)
+        if meta is not None:
+            self.state.storages = meta["storages"]
+            self.state.groups = meta["groups"]
+            self.state.instances = meta["instances"]
+        if blocks:
+            self.state.load_blocks(msgspec.json.decode(blocks))
+        self.report = EventReport(self.state)
+        self.sessions.clear()
+        self.written.clear()
+
+    def _meta(self) -> Meta:
+        st = self.state
+        return {"storages": st.storages, "groups": st.groups, "instances": st.instances}
+
+    async def _elected(self, meta: Meta, blocks: bytes | None) -> None:
+        self._reset(meta, blocks)
+        if self.bootstrap_args is not None:
+            self.bootstrap(*self.bootstrap_args)
+        assert self.cluster is not None
+        await self.cluster.persist(self._meta())
+
+    def _deposed(self) -> None:
+        self._reset(None)  # a follower holds no reporters and answers nothing from memory
+
+    async def save_blocks(self) -> None:
+        """Cluster mode: the block metadata into Redis, encoded between requests."""
+        st = self.state
+        if not st.dirty or self.cluster is None or not self.cluster.is_leader():
+            return
+        st.dirty = False
+        pieces = []
+        for piece in st.block_pieces():
+            pieces.append(piece)
+            await asyncio.sleep(0)  # serve requests between pieces
+        if not await self.cluster.save_blocks(b"".join(pieces)) and st is self.state:
+            st.dirty = True
+
+    def leader_now(self) -> bool:
+        return self.cluster is None or self.cluster.is_leader()
 
     def bootstrap(self, group: str, event_report: dict[str, int]) -> None:
         st = self.state
@@ -135,7 +192,7 @@ class KvcmServer:
             routes.update(
                 {
                     "registerInstance": self.register_instance,
-                    "reportEvent": self.report.handle,
+                    "reportEvent": self.report_event,
                     "getInstanceInfo": self.get_instance_info,
                     "getCacheLocation": self.get_cache_location,
                     "getCacheLocationLen": self.get_cache_location_len,
@@ -145,6 +202,7 @@ class KvcmServer:
                     "finishWriteCache": self.finish_write_cache,
                 }
             )
+            app.router.add_post("/api/getClusterInfo", self.get_cluster_info)
         if admin:
             routes.update(
                 {
@@ -160,6 +218,7 @@ class KvcmServer:
         app.router.add_get("/debug/reporters", self.debug_reporters)
         app.router.add_post("/debug/faults", self.debug_faults)
         app.router.add_get("/debug/arrivals", self.debug_arrivals)
+        app.router.add_get("/debug/cluster", self.debug_cluster)
         app.cleanup_ctx.append(self._saver)
         return app
 
@@ -167,7 +226,9 @@ class KvcmServer:
         async def loop() -> None:
             while True:
                 await asyncio.sleep(0.5)
-                if self.state.dirty:
+                if self.cluster is not None:
+                    await self.save_blocks()
+                elif self.state.dirty:
                     steps = self.state.save_steps()
                     try:
                         for _ in steps:
@@ -189,6 +250,8 @@ class KvcmServer:
                 raw = await request.read()
             except web.HTTPRequestEntityTooLarge:
                 return web.Response(status=413, body=b"{}", content_type="application/json")
+            if not self.leader_now():
+                return self._not_leader()
             fault = self.faults.take(name, raw)
             if fault:
                 if fault.get("delay_ms"):
@@ -213,6 +276,8 @@ class KvcmServer:
             try:
                 out = await (self.report.handle_typed(*typed) if typed else fn(req))
                 code, message = out.pop("_code", "OK"), out.pop("_message", "")
+                if self.cluster is not None and name in META_WRITES:
+                    await self._persist()
             except (TypeError, ValueError, AttributeError, KeyError) as exc:
                 # A field of the wrong JSON type deep in the body: the message was not valid
                 # for its proto, which the real server answers with HTTP 400 `{}`.
@@ -224,10 +289,56 @@ class KvcmServer:
                     # The group's extra_info is echoed on error answers too (contract §12).
                     iid = typed[0].instance_id if typed else req.get("instance_id")
                     out = {**self.report._reply(iid), **out}
+            if not self.leader_now():
+                return self._not_leader()  # the lease ended meanwhile: this was not accepted
             body = {**P.header(code, message, trace_id), **out}
             return web.Response(body=P.encode(body), content_type="application/json")
 
         return handler
+
+    async def _persist(self) -> None:
+        assert self.cluster is not None
+        if not await self.cluster.persist(self._meta()):
+            raise ApiError("SERVER_NOT_LEADER", "lost the leader lease")
+
+    def _not_leader(self) -> web.Response:
+        leader = self.cluster.leader if self.cluster is not None else None
+        where = f"; leader is {leader.node_id}" if leader is not None else ""
+        body = P.header("SERVER_NOT_LEADER", f"node {self.node_id} is not the leader{where}")
+        return web.Response(body=P.encode(body), content_type="application/json")
+
+    async def get_cluster_info(self, request: web.Request) -> web.Response:
+        """`{self_node_id, leader_node_id, leader_endpoint}`. A standalone server is its own
+        leader, at the address the request reached; a cluster node answers from the lease."""
+        await request.read()
+        if self.cluster is None:
+            sock = request.transport.get_extra_info("sockname") if request.transport else None
+            host, port = (sock[0], sock[1]) if sock else ("127.0.0.1", 0)
+            ep: dict[str, Any] | None = {
+                "node_id": self.node_id,
+                "host": host,
+                "meta_rpc_port": 0,
+                "meta_http_port": port,
+            }
+        elif self.cluster.is_leader():
+            ep = msgspec.structs.asdict(self.cluster.node)
+        else:
+            leader = self.cluster.leader
+            ep = msgspec.structs.asdict(leader) if leader is not None else None
+        if ep is None:
+            body = {
+                **P.header("SERVICE_NOT_READY", "no leader elected"),
+                "self_node_id": self.node_id,
+                "leader_node_id": "",
+            }
+        else:
+            body = {
+                **P.header("OK"),
+                "self_node_id": self.node_id,
+                "leader_node_id": ep["node_id"],
+                "leader_endpoint": ep,
+            }
+        return web.Response(body=P.encode(body), content_type="application/json")
 
     # ---- admin ---------------------------------------------------------------------------
     async def add_storage(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -252,6 +363,9 @@ class KvcmServer:
         return {"instance_group": g}
 
     # ---- meta ----------------------------------------------------------------------------
+    async def report_event(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await self.report.handle(req)  # self.report is replaced when leadership changes
+
     async def register_instance(self, req: dict[str, Any]) -> dict[str, Any]:
         return self.state.register_instance(req)
 
@@ -495,6 +609,19 @@ class KvcmServer:
             body=P.encode({"reporters": out, "requests": self.requests}),
             content_type="application/json",
         )
+
+    async def debug_cluster(self, request: web.Request) -> web.Response:
+        c = self.cluster
+        leader = c.leader.node_id if c is not None and c.leader is not None else self.node_id
+        out = {
+            "node_id": self.node_id,
+            "is_leader": self.leader_now(),
+            "leader_node_id": leader,
+            "lease_left_s": c.lease_left_s() if c is not None else None,
+            "elections": c.elections if c is not None else 0,
+            "elected_at": c.elected_at if c is not None else 0.0,  # time.monotonic()
+        }
+        return web.Response(body=P.encode(out), content_type="application/json")
 
     async def debug_arrivals(self, request: web.Request) -> web.Response:
         """Arrival times (server monotonic clock, up to 16) of each key, per reporter host."""

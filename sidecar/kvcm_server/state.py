@@ -299,7 +299,32 @@ class State:
         self.storages = data["storages"]
         self.groups = data["groups"]
         self.instances = data["instances"]
-        for inst, keys in data["blocks"].items():
+        self.load_blocks(data["blocks"])
+
+    def block_pieces(self) -> Generator[bytes, None, None]:
+        """The block metadata as JSON (`{instance: [[key, [[type, medium, host, specs]]]]}`,
+        the state file's "blocks"), in pieces of SAVE_STEP blocks: cluster mode stores it in
+        Redis, serving requests between pieces. Consistent as of the first piece (entries
+        are replaced, never mutated)."""
+        snap = [(inst, [dict(s) for s in keys.shards]) for inst, keys in self.blocks.items()]
+        yield b"{"
+        for i, (inst, shards) in enumerate(snap):
+            yield b"," * (i > 0) + msgspec.json.encode(inst) + b":["
+            sep = b""
+            for shard in shards:
+                items = iter(shard.items())
+                while chunk := list(itertools.islice(items, SAVE_STEP)):
+                    rows = [
+                        [str(k), [[*loc, dict(specs)] for loc, specs in locs.items()]]
+                        for k, locs in chunk
+                    ]
+                    yield sep + msgspec.json.encode(rows)[1:-1]
+                    sep = b","
+            yield b"]"
+        yield b"}"
+
+    def load_blocks(self, blocks: dict[str, Any]) -> None:
+        for inst, keys in blocks.items():
             d = self.blocks.setdefault(inst, KeyMap())
             for k, locs in keys:
                 d[int(k)] = {

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from sidecar.kvcm_client.client import Result
+from sidecar.kvcm_client.discovery import Discovery
 from sidecar.publisher import Publisher, State
 from sidecar.shm_ring import layout as L
 from sidecar.source.ring import RingSource
@@ -54,6 +55,15 @@ METRICS: dict[str, tuple[str, str]] = {
         "Unix time of the last committed snapshot.",
     ),
     "kvcm_sidecar_delta_keys": ("counter", "Key changes KVCM confirmed through deltas."),
+    "kvcm_sidecar_manager_leader_changes": (
+        "counter",
+        "Times leader discovery moved the client to another KVCM node.",
+    ),
+    "kvcm_sidecar_manager_discovery": (
+        "counter",
+        "getClusterInfo answers by outcome (ok, unsupported, malformed, false_leader, stale,"
+        " error, unreachable), one per node asked.",
+    ),
     "kvcm_sidecar_engine_up": ("gauge", "1 while the engine is attached and alive."),
     "kvcm_sidecar_engine_incarnation_changes": (
         "counter",
@@ -170,6 +180,9 @@ class Metrics:
     def attach(self, publisher: Publisher) -> None:
         self.registry.register(_PublisherCollector(publisher))
 
+    def attach_discovery(self, discovery: Discovery) -> None:
+        self.registry.register(_DiscoveryCollector(discovery))
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -252,6 +265,20 @@ class _PublisherCollector(Collector):
         yield gauge("kvcm_sidecar_engine_up", 1.0 if alive else 0.0)
         yield counter(
             "kvcm_sidecar_engine_incarnation_changes", src.resyncs.get("new_incarnation", 0)
+        )
+
+
+class _DiscoveryCollector(Collector):
+    def __init__(self, d: Discovery) -> None:
+        self.d = d
+
+    def collect(self) -> Iterator[Metric]:
+        name = "kvcm_sidecar_manager_leader_changes"
+        yield CounterMetricFamily(name, METRICS[name][1], value=self.d.leader_changes)
+        yield _by(
+            "kvcm_sidecar_manager_discovery",
+            "outcome",
+            {o.value: n for o, n in self.d.outcomes.items()},
         )
 
 

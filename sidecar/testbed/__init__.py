@@ -5,6 +5,7 @@ role:
   engines    ring_engine (a ring engine with a snapshot provider: `cache`; without: `plain`,
              `tiers`; raw writers), simulator (the demo's chat workload), prefill_engine (replay),
              c/ + cbuild (the compiled C producer), zmq_publisher (vLLM- and SGLang-format ZMQ)
-  manager    the KVCM-compatible server lives in sidecar.kvcm_server (`kvcm-sidecar kvcm-server`)
+  manager    the KVCM-compatible server lives in sidecar.kvcm_server (`kvcm-sidecar kvcm-server`);
+             kvcm_cluster runs it as a cluster on a real redis-server, with ranks (tests, bench)
   drivers    proc (a ring engine as a child process, driven by JSON lines)
 """

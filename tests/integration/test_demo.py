@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 
@@ -58,3 +59,11 @@ def test_demo_source_zmq_converges_after_a_gap_and_a_sidecar_restart() -> None:
     assert [(r[0], r[1]) for r in rows] == [("0", "int"), ("1", "bytes")], out.stdout[-3000:]
     for _rank, _kind, truth, kvcm, hbm, mem in rows:
         assert truth == kvcm and int(hbm) > 0 and int(mem) > 0  # two mediums on each rank
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_demo_cluster_survives_a_leader_sigkill() -> None:
+    """`demo --cluster` (issue #23): redis-server, three cluster-mode servers, seeds."""
+    out = _demo("--cluster", "--duration", "4")
+    assert "fault: SIGKILL the KVCM leader" in out.stdout
+    assert re.search(r"a follower took the lease after [\d.]+ s: new leader", out.stdout)
