@@ -80,6 +80,7 @@ FAULTS: dict[str, tuple[str, tuple[float, float]]] = {
     "kvcm_reset": ("kvcm", (0.2, 1.5)),  # without it: state loss
     "kvcm_503": ("kvcm", (0.3, 2.0)),
     "kvcm_slow": ("kvcm", (0.5, 3.0)),  # every reportEvent held 0.2-1.5 s
+    "kvcm_slow_snapshot": ("kvcm", (1.0, 4.0)),  # snapshots held 1-4 s (big ones are slow)
     "link_partition": ("sidecar", (0.3, 3.0)),  # sidecar <-> KVCM blackholed
     "link_cut": ("sidecar", (0.0, 0.0)),
     "zmq_cut": ("zmq", (0.0, 0.0)),  # publisher <-> sidecar: a gap the replay covers
@@ -125,6 +126,8 @@ def schedule(
         detail: dict[str, Any] = {}
         if kind == "kvcm_slow":
             detail["delay_ms"] = rng.randrange(200, 1500)
+        if kind == "kvcm_slow_snapshot":
+            detail["delay_ms"] = int(hold * 1000)
         if kind == "zmq_partition":
             detail["links"] = rng.choice(["pub", "both"])
         out.append(Fault(round(t, 3), min(hold, max(duration - t, 0.0)), kind, target, detail))
@@ -706,7 +709,7 @@ class Run:
         request lands after its client gave up; a dead reporter stays visible until KVCM's
         liveness timeout; an ambiguous request's reconciling snapshot waits)."""
         tail = 0.5 + FLUSH_RTT_S
-        if f.kind == "kvcm_slow":
+        if f.kind in ("kvcm_slow", "kvcm_slow_snapshot"):
             tail += f.detail["delay_ms"] / 1000 + 1.0  # + report.ambiguous_snapshot_delay_s
         if f.kind in ("sidecar_kill", "sidecar_stop", "link_partition", "engine_kill"):
             tail += HEARTBEAT_TIMEOUT_MS / 1000 + 1.5  # + engine.stale_after_s
@@ -754,9 +757,11 @@ class Run:
             await self.kvcm.faults(s, {"routes": route})
             await asyncio.sleep(f.hold)
             await self.kvcm.faults(s, {"clear": True})
-        elif k == "kvcm_slow":
-            route = {"reportEvent": {"count": -1, "delay_ms": f.detail["delay_ms"]}}
-            await self.kvcm.faults(s, {"routes": route})
+        elif k in ("kvcm_slow", "kvcm_slow_snapshot"):
+            rule: dict[str, Any] = {"count": -1, "delay_ms": f.detail["delay_ms"]}
+            if k == "kvcm_slow_snapshot":
+                rule["event"] = "EVENT_BLOCK_SNAPSHOT"
+            await self.kvcm.faults(s, {"routes": {"reportEvent": rule}})
             await asyncio.sleep(f.hold)
             await self.kvcm.faults(s, {"clear": True})
         elif k in ("link_partition", "link_cut") and h is not None and h.kvcm_link is not None:
