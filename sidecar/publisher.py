@@ -104,6 +104,7 @@ class Publisher:
         self.heartbeat_ok_at = 0.0
         self.heartbeat_failures = 0
         self.counters: Counter[str] = Counter()
+        self.leader_changes = 0  # KVCM leader switches (a snapshot in flight across one: redone)
         self.state_changes: Counter[str] = Counter()
         self._n = 0
 
@@ -217,6 +218,7 @@ class Publisher:
         self.retry_at = 0.0
         self.circuit_retry_at = 0.0
         self.snapshot_not_before = 0.0
+        self.leader_changes += 1
         if self.registered:
             self.need_snapshot = True
 
@@ -331,6 +333,7 @@ class Publisher:
         assert d is not None
         self.set_state(State.RESYNCING, "sending the authoritative snapshot")
         keys, mediums = self.keys.published()
+        changes = self.leader_changes  # an OK from a leader since deposed commits nothing new
         payload = W.encode_snapshot(
             *self._reporter("snapshot"), keys, d.mediums, self._specs(), mediums
         )
@@ -355,7 +358,7 @@ class Publisher:
             return
         self._ok(result)
         self.keys.commit_snapshot(keys, mediums)
-        self.need_snapshot = False
+        self.need_snapshot = self.leader_changes != changes
         self.last_snapshot_at = self.clock()
         self.counters["snapshots_committed"] += 1
         self.set_state(State.READY, "snapshot committed")

@@ -252,6 +252,9 @@ class KvcmServer:
                 return web.Response(status=413, body=b"{}", content_type="application/json")
             if not self.leader_now():
                 return self._not_leader()
+            # The term this request is served in: deposed and elected again while it awaited,
+            # the node replaced its state, and a write that went into the old one was lost.
+            term = self.cluster.elections if self.cluster is not None else 0
             fault = self.faults.take(name, raw)
             if fault:
                 if fault.get("delay_ms"):
@@ -289,7 +292,9 @@ class KvcmServer:
                     # The group's extra_info is echoed on error answers too (contract §12).
                     iid = typed[0].instance_id if typed else req.get("instance_id")
                     out = {**self.report._reply(iid), **out}
-            if not self.leader_now():
+            if not self.leader_now() or (
+                self.cluster is not None and self.cluster.elections != term
+            ):
                 return self._not_leader()  # the lease ended meanwhile: this was not accepted
             body = {**P.header(code, message, trace_id), **out}
             return web.Response(body=P.encode(body), content_type="application/json")

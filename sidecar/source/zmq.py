@@ -84,6 +84,7 @@ class Basis:
     # live batch asks again at once, whatever the timed attempts left (an engine back from a
     # long stop still holds its life in its buffer).
     armed: bool = False
+    followed: bool = False  # batches were applied to the followed state since it was made
 
 
 @dataclass
@@ -275,12 +276,16 @@ class Stream:
                 self.replay = None
                 self._restart(why, f"the batch at seq {seq} differs from the one applied", r.live)
                 return
+            if self._refuted(r, f"replay from {r.start} began at {seq}", more=True):
+                return
             reason = F_CHECKPOINT if r.why == "checkpoint" else F_UNCOVERED
             self._uncovered(reason, f"replay from {r.start} began at {seq}")
             r.proof = None
             r.next = seq
         if r.next < 0:
             if seq != r.start:
+                if self._refuted(r, f"replay from {r.start} began at {seq}", more=True):
+                    return
                 self._uncovered(F_UNCOVERED, f"replay from {r.start} began at {seq}")
             elif r.basis is not None:
                 self._restore(r.basis)  # the life from its seq 0: rebuilt from empty
@@ -309,6 +314,8 @@ class Stream:
             self._restart(F_RESTART, f"batch {r.start} gone from the replay buffer", r.live)
             return
         if r.proof is not None and not r.proven:
+            if self._refuted(r, f"replay from {r.start} returned nothing", more=False):
+                return
             reason = F_CHECKPOINT if r.why == "checkpoint" else F_UNCOVERED
             self._uncovered(reason, f"replay from {r.start} returned nothing")
         elif r.replies == 0 and r.why != "start" and not (r.basis and r.basis.seq < 0):
@@ -329,18 +336,31 @@ class Stream:
         self.replays["timeout"] += 1
         self.discard_ends = 0  # the socket side opens a fresh DEALER: nothing stale arrives
         silent = len(r.live) <= r.before  # nothing live arrived while it waited
+        why = f"no replay from {r.start} within {self.replay_timeout_s}s"
         if r.basis is not None and not r.replies:
-            basis = r.basis  # a recovery attempt unanswered: KVCM already forgot, try again
+            # A recovery attempt unanswered: it changed nothing (KVCM already forgot, the
+            # followed stream goes on where it was: its expected seq stays), try again later.
+            self.replay = None
+            self._drain_held(r, applied=False)  # a hole before what was held: a gap, asked for
+            self._pend_basis(r.basis, silent)
+            return True
+        if self.basis is not None:
+            # Another replay timed out while a recovery waits: the followed state is partial
+            # and may now miss a gap's removes: forget it too, but keep the basis (one made
+            # now, from that partial state, would rebuild the partial state "exactly").
+            basis: Basis | None = self.basis
+            self.forget(F_TIMEOUT, why)
         elif self._forgot_during(r):
             basis = None  # the replay had shown the gap uncovered: nothing exact to rebuild
+            self.forget(F_TIMEOUT, why)
         elif self.last_seq < 0:
             basis = Basis(-1, None, [])
             if self.pristine:  # a sidecar started before its engine: nothing to forget
                 log.info("zmq replay unanswered within %ss: following live", self.replay_timeout_s)
+            self.forget(F_TIMEOUT, why)
         else:
             basis = Basis(self.last_seq, self._last_digest(), self.counts.arrays())
-        if (basis is not None and basis is not r.basis) or basis is None:
-            self.forget(F_TIMEOUT, f"no replay from {r.start} within {self.replay_timeout_s}s")
+            self.forget(F_TIMEOUT, why)
         self.expected = None
         self.replay = None
         self._drain_held(r)  # follow the live stream meanwhile (a recovery replaces it)
@@ -386,6 +406,22 @@ class Stream:
         r = self._ask(max(b.seq, 0), b.proof, f"recover_{why}", held)
         r.basis = b
         self.basis = None  # held by the replay; given back if it goes unanswered
+
+    def _refuted(self, r: _Replay, detail: str, *, more: bool) -> bool:
+        """A recovery replay whose buffer no longer holds its basis: the forget stands. What
+        the live stream brought since is kept (rebuilding from where the buffer starts would
+        lose what came before that); True if so. With nothing followed yet, the caller
+        rebuilds from the buffer as after any uncovered gap (False)."""
+        b = r.basis
+        if b is None or not b.followed:
+            return False
+        self.replays["recovery_refuted"] += 1
+        log.warning("zmq recovery impossible (%s): the forget stands, following live", detail)
+        if more:
+            self.discard_ends += 1  # the rest of this reply, up to its end marker
+        self.replay = None
+        self._drain_held(r, applied=False)  # the followed stream goes on where it was
+        return True
 
     def _restore(self, b: Basis) -> None:
         """The replay proved the basis: back to its counts; the replay goes on from there."""
@@ -563,7 +599,7 @@ class Stream:
             self.expected = r.next
         self._drain_held(r)
 
-    def _drain_held(self, r: _Replay) -> None:
+    def _drain_held(self, r: _Replay, applied: bool = True) -> None:
         """The live batches held during the replay, in order; copies of replayed ones skipped,
         and those a proof refuted (seen before the request the same engine life answered)."""
         first = True
@@ -581,7 +617,7 @@ class Stream:
                     continue
                 # Not what the replay showed under that seq: maybe a new engine life that
                 # began while the replay was served; on_live finds out.
-            elif first and self.expected is not None and seq > self.expected:
+            elif first and applied and self.expected is not None and seq > self.expected:
                 # The engine replays all it has buffered when it serves the request, which is
                 # after it published the batch that revealed the gap: a hole here is not in
                 # its buffer (or that seq was bogus). Asking again would loop.
@@ -599,6 +635,8 @@ class Stream:
         self.pristine = False
         if self.replay is not None:
             self.replay.hollow = False
+        if self.basis is not None:
+            self.basis.followed = True
         d = pre if pre is not None else self.decoder.decode(payload)
         if not d.ok:
             self._malformed(seq, d)

@@ -45,6 +45,7 @@ from sidecar.testbed.fault_proxy import FaultProxy
 SOURCES = ("ring", "plain", "c", "vllm", "sglang")
 ZMQ_KVCM_MEDIUM = {"GPU": "hbm", "CPU": "mem", "CPU_PINNED": "mem", "DISK": "disk"}
 SAMPLE_S = 0.5
+STABLE_SAMPLES = 3  # convergence: this many equal samples in a row, 0.25 s apart
 LEAK_MIN_S = 300.0  # sidecars that lived this long get a leak figure (a soak's)
 CONVERGE_S = 30.0
 # The sidecars' settings: quick to notice and to recover, so that a short run sees many cycles.
@@ -67,6 +68,9 @@ SIDECAR_SETTINGS = {
 }
 HEARTBEAT_TIMEOUT_MS = 2000
 FLUSH_RTT_S = 1.0  # flush window + a request's round trip, with slack for a loaded machine
+# With no fault touching a host while a key waited, its removal must show within this: the
+# flush window and a round trip, with room for a 2-core machine running the whole test bed.
+CALM_BOUND_S = 4.0
 # The backstop snapshot, longer than the convergence window: a host must converge exactly
 # without waiting for it (a stale key it would have hidden is then a finding, not noise).
 PERIODIC_SNAPSHOT_S = 60.0
@@ -582,7 +586,9 @@ class Run:
             for start, end, target in self.active
             if target in (name, "kvcm") and start < now and end > since
         )
-        liveness = HEARTBEAT_TIMEOUT_MS / 1000 + 1.0 if touched else 0.0
+        if not touched:
+            return CALM_BOUND_S  # no fault in the way: a removal reaches KVCM within a flush
+        liveness = HEARTBEAT_TIMEOUT_MS / 1000 + 1.0
         return FLUSH_RTT_S + PERIODIC_SNAPSHOT_S + touched + liveness
 
     async def sampler(self, s: aiohttp.ClientSession) -> None:
@@ -603,7 +609,9 @@ class Run:
         stale = self.stale_since[name]
         extra = seen - truth
         for k in list(stale):
-            if k not in extra:
+            # A key keeps its timer while its reporter is hidden (nothing of the host shows:
+            # a missed heartbeat), and loses it once the engine holds it or KVCM dropped it.
+            if k not in extra and (k in truth or seen):
                 del stale[k]
         late: list[Any] = []
         for k in extra:
@@ -813,15 +821,25 @@ class Run:
         seen: dict[str, set[Any]] = {}
         deadline = t_heal + CONVERGE_S
         took: dict[str, float] = {}
+        equal: dict[str, int] = dict.fromkeys(self.hosts, 0)
         while left and time.monotonic() < deadline:
             view = await self.kvcm.view(s)
             if view is not None:
                 for name in list(left):
                     seen[name] = view.get(self.hosts[name].host_ip_port, set())
-                    if seen[name] == truths[name]:
-                        took[name] = round(time.monotonic() - t_heal, 3)
+                    if seen[name] != truths[name]:
+                        equal[name] = 0
+                        continue
+                    equal[name] += 1
+                    took.setdefault(name, round(time.monotonic() - t_heal, 3))
+                    # Equal on STABLE_SAMPLES samples in a row, with no recovery still under
+                    # way: one moment of equality could be a state passing through.
+                    if equal[name] >= STABLE_SAMPLES and await self.settled(s, name):
                         left.discard(name)
-            await asyncio.sleep(0.1)  # polling another process, bounded by the deadline
+                for name in left:
+                    if equal[name] == 0:
+                        took.pop(name, None)
+            await asyncio.sleep(0.25)  # polling another process, bounded by the deadline
         for name in sorted(left):
             want, got = truths[name], seen.get(name, set())
             status: dict[str, Any] = {}
@@ -841,6 +859,17 @@ class Run:
                 sidecar_log_tail=self.sidecar_tail(name),
             )
         return {"converged_s": took, "held": {n: len(t) for n, t in truths.items()}}
+
+    async def settled(self, s: aiohttp.ClientSession, name: str) -> bool:
+        """The sidecar reports no recovery or replay under way (its /status)."""
+        try:
+            port = self.hosts[name].metrics_port
+            async with s.get(f"http://127.0.0.1:{port}/status", timeout=_T2) as r:
+                st = await r.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return False
+        recovering = bool(st.get("zmq_recovery", {}).get("pending"))
+        return not recovering and st.get("engine_sync", "synced") == "synced"
 
     def sidecar_tail(self, name: str) -> list[Any]:
         p = self.hosts[name].sidecar

@@ -20,7 +20,7 @@ from sidecar.key_state import KeyState
 from sidecar.source import checkpoint as ckpt
 from sidecar.source.block_counts import BlockCounts
 from sidecar.source.hash_arrays import fold_hashes
-from sidecar.source.zmq import DRAIN_BATCHES, Stream, ZmqSource
+from sidecar.source.zmq import DRAIN_BATCHES, Basis, Stream, ZmqSource
 from sidecar.source.zmq_events import EventDecoder
 
 MEDIUM_INDEX = {"GPU": 0, "CPU": 1, "DISK": 2}
@@ -711,7 +711,7 @@ def test_zmq_stream_unreadable_block_hashes_forget_and_what_follows_is_kept() ->
 def _paused_after_a_gap(now: list[float]) -> tuple[Stream, list[bytes]]:
     """Batches 0..4 applied; 7 arrives (a gap); the engine then stops: the replay times out."""
     s = stream(clock=lambda: now[0])
-    p = [payload([stored(10 + k)]) for k in range(9)]
+    p = [payload([stored(10 + k)]) for k in range(30)]
     for seq in range(5):
         s.on_live(seq, p[seq])
     s.on_live(7, p[7])
@@ -800,3 +800,69 @@ def test_zmq_stream_checkpoint_while_a_recovery_waits_is_its_basis() -> None:
     assert c.last_seq == 4 and c.digest == ckpt.digest(p[4]) and tables is not None
     held = {k for _m, _g, keys, _n in tables for k in keys.tolist()}
     assert held == {10, 11, 12, 13, 14}
+
+
+def test_zmq_stream_a_gap_replay_timing_out_while_a_recovery_waits_keeps_its_basis() -> None:
+    """Review: a plain gap replay of the followed stream that timed out made a new basis from
+    the followed (partial) state, and the next recovery "proved" that partial state."""
+    now = [0.0]
+    s, p = _paused_after_a_gap(now)
+    s.on_live(8, p[8])  # stream back: a recovery is asked for, unanswered (the port is cut)
+    s.on_live(9, p[9])
+    now[0] += 2.5
+    s.check_deadline()
+    s.on_live(12, p[12])  # a gap in the followed stream: a plain replay, unanswered too
+    now[0] += 2.5
+    assert s.check_deadline()
+    b = pending(s)
+    assert isinstance(b, Basis) and b.seq == 4  # still the exact one
+    now[0] += 100.0
+    s.tick()
+    assert s.want_replay == 4
+    for seq in range(4, 13):
+        s.on_replayed(seq, p[seq])
+    s.on_replay_end()
+    assert published(s) == {10 + k for k in range(13)}
+
+
+def test_zmq_stream_a_refuted_recovery_keeps_what_the_live_stream_brought() -> None:
+    """Review: a recovery replay whose buffer had moved past its basis forgot the followed
+    state and rebuilt from the buffer's start, losing what was followed before it."""
+    now = [0.0]
+    s, p = _paused_after_a_gap(now)
+    for seq in range(8, 20):  # the engine is back and publishing; the recovery ask goes unanswered
+        s.on_live(seq, p[seq])
+    now[0] += 2.5
+    s.check_deadline()
+    for seq in range(20, 24):
+        s.on_live(seq, p[seq])
+    followed = published(s)
+    assert {18, 25, 30, 33} <= followed
+    now[0] += 100.0
+    s.tick()
+    assert s.want_replay == 4
+    s.on_replayed(21, p[21])  # the buffer starts at 21 now: the basis is gone from it
+    s.on_replayed(22, p[22])  # the rest of that reply: discarded
+    s.on_replay_end()
+    assert not replaying(s) and pending(s) is None and s.replays["recovery_refuted"] == 1
+    assert published(s) == followed and s.forgets == {"replay_timeout": 1}
+    s.on_live(24, payload([stored(77)]))  # and the stream goes on
+    assert 77 in published(s)
+
+
+def test_zmq_stream_an_unanswered_recovery_keeps_the_followed_streams_expected_seq() -> None:
+    """Review: a recovery timeout cleared `expected`, so a batch lost on the followed stream
+    while the recovery waited was never asked for."""
+    now = [0.0]
+    s, p = _paused_after_a_gap(now)
+    s.on_live(8, p[8])  # stream back: recovery asked, 8 held
+    now[0] += 2.5
+    s.check_deadline()  # unanswered: 8 followed
+    assert s.expected == 9
+    now[0] += 100.0
+    s.tick()
+    assert replaying(s)
+    s.on_live(10, payload([removed(17)]))  # batch 9 was lost on the link; 10 arrives, held
+    now[0] += 2.5
+    s.check_deadline()
+    assert s.gaps >= 2 and replaying(s) and s.want_replay == 8  # 9 is asked for
