@@ -93,7 +93,7 @@ METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "ZMQ replays by outcome (covered, uncovered, timeout, restart, recovered) and recovery"
         " attempts by trigger (recovery_retry, recovery_stream_back, recovery_engine_recovered;"
-        " recovery_given_up).",
+        " recovery_given_up, recovery_refuted).",
     ),
     "kvcm_sidecar_zmq_recovery_pending": (
         "gauge",
