@@ -100,6 +100,9 @@ class ZmqConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # capped), and one at once whenever a stream that was silent comes back
     replay_retries: Annotated[int, Meta(ge=0)] = 8
     replay_retry_cap_s: PosFloat = 30.0
+    # quiet this long after live batches: one replay from the last applied seq catches batches
+    # lost at the end of a burst, which no later seq would reveal (0: never)
+    tail_check_s: NonNegFloat = 1.0
     checkpoint_interval_s: PosFloat = 5.0
 
 

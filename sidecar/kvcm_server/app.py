@@ -314,11 +314,16 @@ class KvcmServer:
 
     async def get_cluster_info(self, request: web.Request) -> web.Response:
         """`{self_node_id, leader_node_id, leader_endpoint}`. A standalone server is its own
-        leader, at the address the request reached; a cluster node answers from the lease."""
+        leader, at the address the client reached it by (its Host header: behind a proxy or a
+        Service that is not the socket's own address, and a client told the socket's would
+        leave the path it was given); a cluster node answers from the lease."""
         await request.read()
         if self.cluster is None:
             sock = request.transport.get_extra_info("sockname") if request.transport else None
             host, port = (sock[0], sock[1]) if sock else ("127.0.0.1", 0)
+            named, _, named_port = request.host.rpartition(":")
+            if named and named_port.isdigit():
+                host, port = named.strip("[]"), int(named_port)
             ep: dict[str, Any] | None = {
                 "node_id": self.node_id,
                 "host": host,

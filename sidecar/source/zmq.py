@@ -117,6 +117,7 @@ class Stream:
         replay_timeout_s: float,
         replay_retries: int = 8,
         replay_retry_cap_s: float = 30.0,
+        tail_check_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
@@ -130,6 +131,12 @@ class Stream:
         self.clock = clock
         self.rng = rng or random.Random()
         self.basis: Basis | None = None  # a recovery is pending (see Basis)
+        # The tail check: a seq gap shows only when a later batch arrives, so batches lost at
+        # the end of a burst (a cut connection, the publisher's HWM) would stay unseen while
+        # the engine idles. Once the stream has been quiet this long after live batches, one
+        # replay from the last applied seq (its proof, and whatever followed) tells.
+        self.tail_check_s = tail_check_s
+        self.live_at: float | None = None  # last live batch, while no tail check covers it
         self.expected: int | None = None  # next seq to apply (None: take the next one seen)
         self.last_seq = -1
         self.last_payload: bytes | None = None
@@ -187,6 +194,8 @@ class Stream:
             self._ask(self.last_seq, self._last_digest(), "engine_recovered")
 
     def on_live(self, seq: int, payload: bytes, pre: Decoded | None = None) -> None:
+        if self.tail_check_s:
+            self.live_at = self.clock()
         r = self.replay
         if r is not None:
             if len(r.live) >= MAX_HELD_LIVE:
@@ -337,6 +346,12 @@ class Stream:
         self.discard_ends = 0  # the socket side opens a fresh DEALER: nothing stale arrives
         silent = len(r.live) <= r.before  # nothing live arrived while it waited
         why = f"no replay from {r.start} within {self.replay_timeout_s}s"
+        if r.why == "tail" and not r.replies:
+            # A tail check unanswered (the engine stopped or went away after its burst): it
+            # proved nothing and changed nothing; the stream goes on where it was.
+            self.replay = None
+            self._drain_held(r, applied=False)
+            return True
         if r.basis is not None and not r.replies:
             # A recovery attempt unanswered: it changed nothing (KVCM already forgot, the
             # followed stream goes on where it was: its expected seq stays), try again later.
@@ -369,7 +384,7 @@ class Stream:
         return True
 
     def tick(self) -> None:
-        """The feed loop's turn: a timed recovery attempt, when one is due."""
+        """The feed loop's turn: a timed recovery attempt or a tail check, when one is due."""
         b = self.basis
         if (
             b is not None
@@ -378,13 +393,30 @@ class Stream:
             and self.clock() >= b.retry_at
         ):
             self._recover("retry")
+        tail = self._tail_due()
+        if tail is not None and self.clock() >= tail:
+            self.live_at = None
+            self.replays["tail_check"] += 1
+            self._ask(self.last_seq, self._last_digest(), "tail")
+
+    def _tail_due(self) -> float | None:
+        if (
+            self.live_at is None
+            or self.replay is not None
+            or self.basis is not None
+            or not self.can_replay
+            or self.last_seq < 0
+        ):
+            return None
+        return self.live_at + self.tail_check_s
 
     def next_timer(self) -> float | None:
-        """clock() of the next timed recovery attempt (None: none is due)."""
+        """clock() of the next timed recovery attempt or tail check (None: none is due)."""
         b = self.basis
-        if b is None or self.replay is not None or b.attempts >= self.replay_retries:
-            return None
-        return b.retry_at
+        due = [t for t in (self._tail_due(),) if t is not None]
+        if b is not None and self.replay is None and b.attempts < self.replay_retries:
+            due.append(b.retry_at)
+        return min(due) if due else None
 
     def _pend_basis(self, basis: Basis, silent: bool) -> None:
         base = min(self.replay_retry_cap_s, self.replay_timeout_s * 2 ** min(basis.attempts, 20))
@@ -718,6 +750,7 @@ class ZmqSource:
             replay_timeout_s=z.replay_timeout_s,
             replay_retries=z.replay_retries,
             replay_retry_cap_s=z.replay_retry_cap_s,
+            tail_check_s=z.tail_check_s,
             clock=clock,
         )
         self.bind = infer_bind(z.endpoint) if z.bind is None else z.bind
@@ -758,7 +791,12 @@ class ZmqSource:
         r = self.stream.replay
         # A recovery replay not answered yet changes nothing until it proves its basis: the
         # live stream followed meanwhile is what the publisher reports.
-        return r is None or r.hollow or (r.basis is not None and not r.replies)
+        return (
+            r is None
+            or r.hollow
+            or (r.basis is not None and not r.replies)
+            or r.why == "tail"  # applies what was missed, in order, as the live stream would
+        )
 
     @property
     def sync_state(self) -> str:

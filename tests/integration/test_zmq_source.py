@@ -450,3 +450,18 @@ async def test_zmq_source_engine_stopped_past_the_whole_retry_budget_still_conve
     st = await z.settle(lambda s: not s["zmq_recovery"]["pending"])
     assert st["zmq_replays"]["recovery_retry"] == 2
     assert st["zmq_replays"]["recovery_stream_back"] >= 1
+
+
+async def test_zmq_source_batches_lost_at_the_end_of_a_burst_reach_kvcm(z: ZmqHarness) -> None:
+    """Found by the chaos run (seed 2007, a cut PUB link): the last batches of a burst were
+    lost on the way and no later batch revealed the gap while the engine idled."""
+    pub = z.start_engine()
+    z.start_sidecar()
+    z.workload(500)
+    await z.converge()
+    pub.call("gap", batches=2)  # the next two batches never reach the SUB socket
+    pub.call("store", n=3, medium="GPU", step=True)
+    pub.call("store", n=2, medium="CPU", step=True)
+    await z.converge()  # and nothing after them: only the tail check can find them
+    st = await z.settle(lambda s: s["zmq_replays"].get("tail_check", 0) >= 1)
+    assert _forgets(st) == {}
