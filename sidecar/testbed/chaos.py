@@ -394,6 +394,7 @@ class ZmqHost(Host):
         self.pub_link: FaultProxy | None = None
         self.rep_link: FaultProxy | None = None
         self.engine: Any = None  # PublisherProcess
+        self.calls = asyncio.Lock()
         self.hidden_dir: Path | None = None
 
     async def start_engine(self) -> None:
@@ -425,11 +426,12 @@ class ZmqHost(Host):
         )
 
     async def call(self, cmd: str, **kw: Any) -> dict[str, Any] | None:
-        e = self.engine
-        if e is None or self.engine_paused:
-            return None
-        out: dict[str, Any] = await asyncio.to_thread(e.call, cmd, 30.0, **kw)
-        return out
+        async with self.calls:  # one command at a time: replies come back in order
+            e = self.engine
+            if e is None or self.engine_paused:
+                return None
+            out: dict[str, Any] = await asyncio.to_thread(e.call, cmd, 30.0, **kw)
+            return out
 
     async def kill_engine(self) -> None:
         e, self.engine = self.engine, None
