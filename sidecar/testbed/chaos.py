@@ -71,6 +71,7 @@ FLUSH_RTT_S = 1.0  # flush window + a request's round trip, with slack for a loa
 # With no fault touching a host while a key waited, its removal must show within this: the
 # flush window and a round trip, with room for a 2-core machine running the whole test bed.
 CALM_BOUND_S = 4.0
+KVCM_RESTART_SNAPSHOT_S = 6.0
 # The backstop snapshot, longer than the convergence window: a host must converge exactly
 # without waiting for it (a stale key it would have hidden is then a finding, not noise).
 PERIODIC_SNAPSHOT_S = 60.0
@@ -723,6 +724,11 @@ class Run:
             tail += f.detail["delay_ms"] / 1000 + 1.0  # + report.ambiguous_snapshot_delay_s
         if f.kind in ("sidecar_kill", "sidecar_stop", "link_partition", "engine_kill"):
             tail += HEARTBEAT_TIMEOUT_MS / 1000 + 1.5  # + engine.stale_after_s
+        if f.kind in ("kvcm_restart", "kvcm_reset"):
+            # A restarted KVCM shows the metadata it persisted, stale entries included, until
+            # each reporter's next snapshot commits (KVCM's own semantics, contract §12): the
+            # sidecar's re-registration, backoff, the snapshot rate limit and its round trip.
+            tail += KVCM_RESTART_SNAPSHOT_S
         return f.hold + tail
 
     async def inject(self, s: aiohttp.ClientSession, f: Fault) -> None:
