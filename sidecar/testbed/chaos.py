@@ -856,6 +856,13 @@ class Run:
                 async with s.get(f"http://127.0.0.1:{port}/status", timeout=_T2) as r:
                     status = await r.json(content_type=None)
             keep = ("state", "reason", "resyncs", "zmq_forgets", "zmq_replays", "zmq_recovery")
+            arrivals: dict[str, Any] = {}
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                url = f"{self.kvcm.url}/debug/arrivals?host={self.hosts[name].host_ip_port}"
+                async with s.get(url, timeout=_T5) as r:
+                    times = await r.json(content_type=None)
+                first = sorted(want ^ got)[:3]
+                arrivals = {str(k): times.get(str(k[0]), []) for k in first}
             self.violate(
                 "diverged",
                 name,
@@ -864,6 +871,8 @@ class Run:
                 missing=len(want - got),
                 extra=len(got - want),
                 sidecar_status={k: status[k] for k in keep if k in status},
+                # what KVCM was sent of the first keys (request arrival times, its clock)
+                kvcm_arrivals=arrivals,
                 sidecar_log_tail=self.sidecar_tail(name),
             )
         return {"converged_s": took, "held": {n: len(t) for n, t in truths.items()}}
