@@ -48,6 +48,7 @@ SAMPLE_S = 0.5
 STABLE_SAMPLES = 3  # convergence: this many equal samples in a row, 0.25 s apart
 LEAK_MIN_S = 300.0  # sidecars that lived this long get a leak figure (a soak's)
 CONVERGE_S = 30.0
+AMBIGUOUS_DELAY_S = 2.5
 # The sidecars' settings: quick to notice and to recover, so that a short run sees many cycles.
 SIDECAR_SETTINGS = {
     "report.heartbeat_interval_s": "0.2",
@@ -55,7 +56,9 @@ SIDECAR_SETTINGS = {
     "report.backoff_base_s": "0.05",
     "report.backoff_cap_s": "0.5",
     "report.circuit_retry_s": "1",
-    "report.ambiguous_snapshot_delay_s": "1",
+    # Longer than the slowest reply a kvcm_slow fault holds (1.5 s): a delta that timed out
+    # may still land that late, and the reconciling snapshot must come after it (seed 2070).
+    "report.ambiguous_snapshot_delay_s": str(AMBIGUOUS_DELAY_S),
     "engine.watch_interval_s": "0.05",
     "engine.stale_after_s": "1.5",
     "manager.request_timeout_s": "0.5",
@@ -721,7 +724,7 @@ class Run:
         liveness timeout; an ambiguous request's reconciling snapshot waits)."""
         tail = 0.5 + FLUSH_RTT_S
         if f.kind in ("kvcm_slow", "kvcm_slow_snapshot"):
-            tail += f.detail["delay_ms"] / 1000 + 1.0  # + report.ambiguous_snapshot_delay_s
+            tail += f.detail["delay_ms"] / 1000 + AMBIGUOUS_DELAY_S
         if f.kind in ("sidecar_kill", "sidecar_stop", "link_partition", "engine_kill"):
             tail += HEARTBEAT_TIMEOUT_MS / 1000 + 1.5  # + engine.stale_after_s
         if f.kind in ("kvcm_restart", "kvcm_reset"):
