@@ -519,6 +519,8 @@ class Run:
         self.history: dict[str, list[tuple[float, set[Any], set[Any]]]] = {}
         self.resources: list[dict[str, Any]] = []
         self.stop_work = asyncio.Event()
+        self.calm_bound_s: float = args.calm_bound_s
+        self.back_since: dict[str, dict[tuple[int, str], float]] = {}
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -542,6 +544,7 @@ class Run:
             self.hosts[name] = h
             self.stale_since[name] = {}
             self.gone[name] = set()
+            self.back_since[name] = {}
             self.history[name] = []
         for h in self.hosts.values():
             await h.start_engine()
@@ -593,7 +596,7 @@ class Run:
             if target in (name, "kvcm") and start < now and end > since
         )
         if not touched:
-            return CALM_BOUND_S  # no fault in the way: a removal reaches KVCM within a flush
+            return self.calm_bound_s  # no fault in the way: a removal shows within a flush
         liveness = HEARTBEAT_TIMEOUT_MS / 1000 + 1.0
         return FLUSH_RTT_S + PERIODIC_SNAPSHOT_S + touched + liveness
 
@@ -634,11 +637,16 @@ class Run:
         gone = self.gone[name]
         calm = not any(t in (name, "kvcm") and s0 <= now <= e0 for s0, e0, t in self.active)
         back = {k for k in gone & seen if k not in truth} if calm else set()
-        if back and len(hist) >= 2:
-            again = {k for k in back if k in hist[-2][2] and k not in hist[-2][1]}  # twice
-            if again:
-                self.violate("resurrected", name, now, sorted(again)[:10])
-                gone -= again
+        since = self.back_since[name]
+        for k in list(since):
+            if k not in back:
+                del since[k]
+        # Back for longer than a removal takes to show (a re-store and remove between two
+        # samples, the second one lagging, looks like a return for a moment).
+        late = [k for k in back if now - since.setdefault(k, now) > self.calm_bound_s]
+        if late:
+            self.violate("resurrected", name, now, sorted(late)[:10])
+            gone.difference_update(late)
         gone -= truth
         if len(hist) >= 3 and calm and seen:  # the reporter visible: a removal, not a hiding
             (_, t1, s1), (_, t2, s2) = hist[-3], hist[-2]
@@ -940,6 +948,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, help="write the summary here")
     ap.add_argument("--sidecar-python", help="the interpreter whose `sidecar` runs as the sidecars")
     ap.add_argument("--seeds", type=int, default=1, help="run this many seeds from --seed on")
+    ap.add_argument(
+        "--calm-bound-s",
+        type=float,
+        default=CALM_BOUND_S,
+        help="how long a removal may take to show on a host no fault touches (raise it on a "
+        "machine busy with more than this run)",
+    )
     ap.add_argument("--faults", help=f"only these fault kinds (of {','.join(FAULTS)})")
     args = ap.parse_args(argv)
     args.faults = args.faults.split(",") if args.faults else None
