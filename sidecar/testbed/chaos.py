@@ -637,13 +637,13 @@ class Run:
         gone = self.gone[name]
         calm = not any(t in (name, "kvcm") and s0 <= now <= e0 for s0, e0, t in self.active)
         back = {k for k in gone & seen if k not in truth} if calm else set()
-        since = self.back_since[name]
-        for k in list(since):
+        back_at = self.back_since[name]
+        for k in list(back_at):
             if k not in back:
-                del since[k]
+                del back_at[k]
         # Back for longer than a removal takes to show (a re-store and remove between two
         # samples, the second one lagging, looks like a return for a moment).
-        late = [k for k in back if now - since.setdefault(k, now) > self.calm_bound_s]
+        late = [k for k in back if now - back_at.setdefault(k, now) > self.calm_bound_s]
         if late:
             self.violate("resurrected", name, now, sorted(late)[:10])
             gone.difference_update(late)
