@@ -2,7 +2,9 @@
 
 Imports: stdlib only. Start at h = 0; for each token t (int32), in signed 64-bit arithmetic,
 h ^= t + 0x9e3779b97f4a7c15 + (h << 12) + (h >> 32) with an arithmetic right shift; after each
-full block h is that block's key, so every key commits to the whole prefix before it.
+full block h is that block's key, so every key commits to the whole prefix before it. This is
+the reference: the daemon runs the same loop in C (sidecar/shm_ring/_accel.c `rolling`,
+through sidecar.keys), and a test holds the two equal.
 """
 
 from __future__ import annotations
@@ -18,18 +20,27 @@ def to_signed(v: int) -> int:
     return v - (1 << 64) if v >> 63 else v
 
 
-def block_keys(token_ids: Iterable[int], block_size: int) -> list[int]:
-    """Keys of every full block of `token_ids`; a trailing partial block has no key."""
-    if block_size <= 0:
-        raise ValueError("block_size must be > 0")
+def roll(
+    token_ids: Iterable[int], block_size: int, h: int = 0, pending: int = 0
+) -> tuple[int, int, list[int]]:
+    """Continue the hash from state `h` (signed) with `pending` tokens since the last block
+    boundary: (state after the tokens, tokens since the last boundary, keys of the blocks
+    completed on the way)."""
+    if block_size <= 0 or not 0 <= pending < block_size:
+        raise ValueError("need block_size > 0 and 0 <= pending < block_size")
     keys: list[int] = []
-    h = 0  # unsigned view of the signed hash
-    n = 0
+    u = h & _M  # unsigned view of the signed hash
+    n = pending
     for t in token_ids:
-        signed = h - (1 << 64) if h >> 63 else h
-        h ^= ((t & _M) + _C + ((h << 12) & _M) + ((signed >> 32) & _M)) & _M
+        signed = u - (1 << 64) if u >> 63 else u
+        u ^= ((int(t) & _M) + _C + ((u << 12) & _M) + ((signed >> 32) & _M)) & _M
         n += 1
         if n == block_size:
-            keys.append(h - (1 << 64) if h >> 63 else h)
+            keys.append(u - (1 << 64) if u >> 63 else u)
             n = 0
-    return keys
+    return (u - (1 << 64) if u >> 63 else u), n, keys
+
+
+def block_keys(token_ids: Iterable[int], block_size: int) -> list[int]:
+    """Keys of every full block of `token_ids`; a trailing partial block has no key."""
+    return roll(token_ids, block_size)[2]

@@ -26,6 +26,9 @@ def put_runs(
     /,
 ) -> int: ...
 def words(keys: list[Any], /) -> array[int]: ...
+def rolling(
+    tokens: Any, block_size: int, h: int, pending: int, out: Any, /
+) -> tuple[int, int, int]: ...
 
 W_CAPACITY: int
 W_HEAD: int
