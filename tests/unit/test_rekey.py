@@ -372,3 +372,23 @@ def test_rekey_block_sizes_without_a_whole_ratio_are_a_config_error_naming_both(
     assert cfg.source.zmq.key_mode == "rolling" and cfg.source.zmq.kvcm_block_tokens == 64
     cfg = load(env={**env, "KV_CACHE_EVENT_KVCM_BLOCK_SIZE": "0"})
     assert cfg.source.zmq.kvcm_block_tokens == 16  # defaults to the engine's
+
+
+def test_engine_hash_emulator_hashes_as_vllm_and_sglang_do() -> None:
+    from sidecar.testbed import zmq_publisher
+    from sidecar.testbed.engine_hash import ENGINE_HASHES, EngineHasher
+
+    assert ENGINE_HASHES == zmq_publisher.ENGINE_HASHES
+    v = EngineHasher("sha256_cbor_seed0")
+    first = v.hashes(list(range(1, 5)), 4)
+    assert first == [2164874634404590027]
+    assert v.hashes([5, 6, 7, 8], 4, parent=first[0]) == [17270480062156288726]
+    s = EngineHasher("sha256_cbor_seed0", flavour="sglang")
+    assert [K.engine_key(x) for x in s.hashes(list(range(1, 9)), 4)] == [
+        -3488128144981237669,
+        5674439469042975057,
+    ]
+    a, b = EngineHasher("random_seed"), EngineHasher("random_seed")
+    assert a.hashes([1, 2, 3, 4], 4) != b.hashes([1, 2, 3, 4], 4)
+    d = EngineHasher("vllm_default")
+    assert d.hashes([1, 2, 3, 4], 4) != first  # sha256 over pickle: no router reproduces it
