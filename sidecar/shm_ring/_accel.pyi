@@ -29,6 +29,9 @@ def words(keys: list[Any], /) -> array[int]: ...
 def rolling(
     tokens: Any, block_size: int, h: int, pending: int, out: Any, /
 ) -> tuple[int, int, int]: ...
+def roll_list(
+    tokens: list[int], block_size: int, h: int, pending: int, /
+) -> tuple[int, int, list[int]]: ...
 
 W_CAPACITY: int
 W_HEAD: int

@@ -21,9 +21,9 @@ log = logging.getLogger(__name__)
 
 VLLM, SGLANG = "vllm_sha256_cbor", "sglang_sha256"
 CHECK_SCHEMES = (VLLM, SGLANG)
-WARM_BATCHES = 32  # batches checked in full at start (and after an engine restart)
-EVENTS_PER_SAMPLE = 8192  # then one batch per this many events: the cost stays < 1 % of the fold
-MAX_EVENTS = 16  # BlockStored events checked per sampled batch
+WARM_BATCHES = 8  # batches checked in full at start (and after an engine restart)
+EVENTS_PER_SAMPLE = 16384  # then one batch per this many events: < 1 % of the fold
+MAX_EVENTS = 4  # BlockStored events checked per sampled batch
 DIGESTS_MAX = 1 << 16  # per scheme: engine key -> digest of checked blocks (chains continue)
 _GENERIC = msgspec.msgpack.Decoder()
 

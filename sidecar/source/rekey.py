@@ -195,29 +195,38 @@ class Rekey:
         meds: list[int] = []
         grps: list[int] = []
         sgns: list[int] = []
-        ek = f.blocks.keys
         counts = f.counts.tolist()
         codes = f.codes.tolist()
-        bad = set(f.bad)
         lo = f.block(first)
+        ek = f.blocks.keys[lo : f.block(end)].tolist()
+        bad = set(f.bad)
+        at = 0
+        both = self.both
         for i in range(first, end):
             n = counts[i]
-            hi = lo + n
-            if i in bad or not n:
-                lo = hi
+            if not n or i in bad:
+                at += n
                 continue
             c = codes[i]
-            medium, group, stored = c >> 8, (c >> 1) & 0x7F, c & 1
-            engine = ek[lo:hi].tolist()
-            lo = hi
-            got = self._stored(events[i], group, engine) if stored else self._removed(group, engine)
-            if self.both:
+            group = (c >> 1) & 0x7F
+            engine = ek[at : at + n]
+            at += n
+            if c & 1:
+                got = self._stored(events[i], group, engine)
+                sign = 1
+            else:
+                got = self._removed(group, engine)
+                sign = -1
+            if both:
                 got = engine + got
-            keys += got
-            meds += [medium] * len(got)
-            grps += [group] * len(got)
-            sgns += [1 if stored else -1] * len(got)
-        self.table.evict()
+            m = len(got)
+            if m:
+                keys += got
+                meds += [c >> 8] * m
+                grps += [group] * m
+                sgns += [sign] * m
+        if self.table.n > self.table.capacity:
+            self.table.evict()
         return Blocks(
             np.array(keys, np.int64),
             np.array(meds, np.uint8),
@@ -333,20 +342,27 @@ class Rekey:
             # the state after every step tokens, from the chain's known state
             states = K.roll(tokens[start * self.e : stop * self.e], self.step, h, 0)[2]
             base = self._pending_of(g, parent, engine, start)
+            one = 1 << _H_SHIFT  # a new entry: one reported copy
             for j in range(start, stop):
                 key = engine[j]
-                if key in t:
-                    out += self._known(g, key, t[key])
+                old = t.get(key)
+                if old is not None:
+                    out += self._known(g, key, old)
                     continue
                 i = j - start
                 if self.down > 1:
                     mine = states[i * self.down : (i + 1) * self.down]
-                    state, pend = mine[-1], 0
                     table.extra[(g, key)] = tuple(mine[:-1])
+                    out += mine
+                    t[key] = (mine[-1] & _M64) | one
                 else:
                     state = states[i]
                     pend = (base + (i + 1) * self.e) % self.k
-                out += self._known(g, key, _pack(state, pend, 0, 0))
+                    if not pend:
+                        out.append(state)
+                    t[key] = (state & _M64) | pend << _P_SHIFT | one
+                table.n += 1
+                self.keyed += 1
         if stop < nb:  # an extra key here (a salt, an image): tainted from here on
             self._taint(g, engine[stop:], EXTRA_KEYS)
         return out

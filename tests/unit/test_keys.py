@@ -66,6 +66,7 @@ def test_keys_rolling_c_loop_equals_reference(
     out = np.zeros(len(tokens) + 1, np.int64)
     h1, p1, n = accel.rolling(np.array(tokens, np.int64), bs, h, pending, out)
     assert (h1, p1, out[:n].tolist()) == roll_reference(tokens, bs, h, pending)
+    assert accel.roll_list(tokens, bs, h, pending) == (h1, p1, out[:n].tolist())
     # one call or token by token: the state carries everything
     h2, p2, ks = h, pending, []
     for t in tokens:
