@@ -55,7 +55,8 @@ def roll(
     if a is None:
         return roll_reference(tokens, block_size, h, pending)
     if type(tokens) is list:
-        return a.roll_list(tokens, block_size, h, pending)
+        got: tuple[int, int, list[int]] = a.roll_list(tokens, block_size, h, pending)
+        return got
     t = np.ascontiguousarray(tokens, np.int64)
     out = np.empty((pending + len(t)) // block_size, np.int64)
     h2, p2, n = a.rolling(t, block_size, h, pending, out)
