@@ -271,6 +271,24 @@ def _replay_parser(sub: Any) -> None:
         default=2e-9,
         help="cost model: per new token x context length (attention)",
     )
+    r.add_argument(
+        "--source",
+        choices=("ring", "zmq"),
+        default="ring",
+        help="ring: engine_hook engines (default); zmq: vLLM-format ZMQ KV-event engines, one "
+        "table row per --key-mode x --engine-hash",
+    )
+    r.add_argument(
+        "--engine-hash",
+        default="random_seed",
+        help="zmq: comma list of vllm_default (sha256 over pickle), sha256_cbor_seed0 (what "
+        "FlexLB expects), random_seed (a seed per engine, as xxhash)",
+    )
+    r.add_argument(
+        "--key-mode",
+        default="rolling",
+        help="zmq: comma list of the sidecars' key modes (engine, rolling, both)",
+    )
     r.add_argument("--json", type=Path, default=None, help="write the results document here")
     r.add_argument(
         "--png",
