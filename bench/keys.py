@@ -27,9 +27,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def rolling_ns_per_token(n: int) -> dict[str, float]:
-    from engine_hook.rolling_hash import roll as roll_reference
     from sidecar import keys as K
     from sidecar.shm_ring import compiled
+    from sidecar.shm_ring.rolling_hash import roll as roll_reference
 
     assert compiled.accel is not None, "the C extension is not built"
     toks = np.random.default_rng(1).integers(0, 150_000, n, dtype=np.int64)

@@ -1,46 +1,9 @@
-"""KVCM's block key: RTP-LLM's rolling hash over token ids, one key per full block.
-
-Imports: stdlib only. Start at h = 0; for each token t (int32), in signed 64-bit arithmetic,
-h ^= t + 0x9e3779b97f4a7c15 + (h << 12) + (h >> 32) with an arithmetic right shift; after each
-full block h is that block's key, so every key commits to the whole prefix before it. This is
-the reference: the daemon runs the same loop in C (sidecar/shm_ring/_accel.c `rolling`,
-through sidecar.keys), and a test holds the two equal.
+"""KVCM's block key (RTP-LLM's rolling hash) for engines: the one implementation lives in
+sidecar/shm_ring/rolling_hash.py (engine_hook imports only sidecar.shm_ring); re-exported here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from sidecar.shm_ring.rolling_hash import block_keys, roll, to_signed
 
-_M = (1 << 64) - 1
-_C = 0x9E3779B97F4A7C15
-
-
-def to_signed(v: int) -> int:
-    v &= _M
-    return v - (1 << 64) if v >> 63 else v
-
-
-def roll(
-    token_ids: Iterable[int], block_size: int, h: int = 0, pending: int = 0
-) -> tuple[int, int, list[int]]:
-    """Continue the hash from state `h` (signed) with `pending` tokens since the last block
-    boundary: (state after the tokens, tokens since the last boundary, keys of the blocks
-    completed on the way)."""
-    if block_size <= 0 or not 0 <= pending < block_size:
-        raise ValueError("need block_size > 0 and 0 <= pending < block_size")
-    keys: list[int] = []
-    u = h & _M  # unsigned view of the signed hash
-    n = pending
-    for t in token_ids:
-        signed = u - (1 << 64) if u >> 63 else u
-        u ^= ((int(t) & _M) + _C + ((u << 12) & _M) + ((signed >> 32) & _M)) & _M
-        n += 1
-        if n == block_size:
-            keys.append(u - (1 << 64) if u >> 63 else u)
-            n = 0
-    return (u - (1 << 64) if u >> 63 else u), n, keys
-
-
-def block_keys(token_ids: Iterable[int], block_size: int) -> list[int]:
-    """Keys of every full block of `token_ids`; a trailing partial block has no key."""
-    return roll(token_ids, block_size)[2]
+__all__ = ["block_keys", "roll", "to_signed"]

@@ -1,8 +1,9 @@
 """Block keys a router can compute: KVCM's rolling hash, vLLM's and SGLang's block hashes, and
 the engine key codec (what the sidecar reports in `engine` key mode).
 
-Imports: stdlib, numpy, engine_hook.rolling_hash (the pure reference), sidecar.shm_ring.compiled
-(its C loop). Every function is pure; keys are signed int64 (KVCM's bit pattern), digests bytes.
+Imports: stdlib, numpy, sidecar.shm_ring (rolling_hash: the pure reference; compiled: its C
+loop); never engine_hook (routers import this). Every function is pure; keys are signed int64
+(KVCM's bit pattern), digests bytes.
 The canonical CBOR here covers what vLLM hashes (ints of any size, bytes, text, None, bools,
 tuples and lists); anything else raises TypeError.
 """
@@ -17,9 +18,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from engine_hook.rolling_hash import roll as roll_reference
-from engine_hook.rolling_hash import to_signed
 from sidecar.shm_ring import compiled
+from sidecar.shm_ring.rolling_hash import roll as roll_reference
+from sidecar.shm_ring.rolling_hash import to_signed
 
 __all__ = [
     "SCHEMES",

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_hook.rolling_hash import roll as roll_reference
 from sidecar import keys as K
+from sidecar.shm_ring.rolling_hash import roll as roll_reference
 
 ROLLING = [
     (list(range(1, 9)), [455111481605203084, 6902853672176602142]),
