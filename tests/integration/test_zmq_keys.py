@@ -127,3 +127,29 @@ async def test_zmq_keys_two_engines_with_different_seeds_share_keys_both_hosts_l
             s.close()
         for p in pubs:
             p.close()
+
+
+async def test_zmq_keys_rolling_table_survives_a_sidecar_restart(
+    h: Harness, tmp_path: Path
+) -> None:
+    """SIGKILL the sidecar after its checkpoint; the restarted one loads the key table with it,
+    so a block stored later under a parent from before the restart still gets its key."""
+    # The engine's buffer holds the last batch only: the checkpoint's proof, not a replay from 0
+    pub = PublisherProcess(engine_hash="random_seed", block_size=8, buffer_steps=1)
+    side = sidecar(h, pub, tmp_path, h.host)
+    try:
+        hashes = serve_prompt(pub)
+        keys = K.rolling_keys(PROMPT, 4)
+        await until(lambda v: v == set(keys), h.visible)
+        await until(lambda s: 0 <= s["checkpoint_age_s"] < 1.0, h.status)
+        side.close()  # SIGKILL
+        side = sidecar(h, pub, tmp_path, h.host)
+        more = [7, 7, 7, 7, 8, 8, 8, 8]
+        pub.call("store", token_ids=more, parent=hashes[-1], step=True)
+        want = set(K.rolling_keys(PROMPT + more, 4))
+        await until(lambda v: v == want, h.visible)
+        st = await h.status()
+        assert st["rekey"]["blocks_unkeyed"].get("unknown_parent", 0) == 0
+    finally:
+        side.close()
+        pub.close()

@@ -392,3 +392,23 @@ def test_engine_hash_emulator_hashes_as_vllm_and_sglang_do() -> None:
     assert a.hashes([1, 2, 3, 4], 4) != b.hashes([1, 2, 3, 4], 4)
     d = EngineHasher("vllm_default")
     assert d.hashes([1, 2, 3, 4], 4) != first  # sha256 over pickle: no router reproduces it
+
+
+def test_status_command_shows_key_mode_check_and_table() -> None:
+    from sidecar.status import render
+
+    text = render(
+        {
+            "state": "READY",
+            "key_mode": "rolling",
+            "key_check": {"vllm_sha256_cbor": 0, "sglang_sha256": None},
+            "rekey": {
+                "key_table_entries": 12,
+                "key_table_evictions": 3,
+                "blocks_unkeyed": {"unknown_parent": 2},
+            },
+        }
+    )
+    assert "key_mode" in text and "rolling" in text
+    assert "vllm_sha256_cbor=0, sglang_sha256=-" in text
+    assert "key_table_entries" in text and "12" in text and "unknown_parent" in text
