@@ -163,7 +163,13 @@ class Rekey:
     """Block events with engine keys -> the same events under KVCM's rolling keys."""
 
     def __init__(
-        self, engine_block: int, kvcm_block: int, *, both: bool = False, capacity: int = 1 << 22
+        self,
+        engine_block: int,
+        kvcm_block: int,
+        *,
+        both: bool = False,
+        capacity: int = 1 << 22,
+        sglang: bool = False,
     ) -> None:
         if max(engine_block, kvcm_block) % min(engine_block, kvcm_block):
             raise ValueError(f"block sizes {engine_block} and {kvcm_block}: not a whole ratio")
@@ -172,6 +178,10 @@ class Rekey:
         self.up = kvcm_block // self.step  # engine blocks per KVCM key (n:1), else 1
         self.down = engine_block // self.step  # KVCM keys per engine block (1:n), else 1
         self.both = both
+        # SGLang (source.zmq.engine=sglang): its events carry no salt, but a salted chain's
+        # first page is seeded with the salt, so a root page whose hash is not SGLang's
+        # unsalted page hash is salted: its chain is not token-addressable.
+        self.sglang = sglang
         self.table = KeyTable(capacity)
         self.unkeyed: Counter[str] = Counter()
         self.keyed = 0  # engine blocks reported under rolling keys
@@ -312,6 +322,9 @@ class Rekey:
         # the table knows; the blocks before it have no provable prefix. Never h = 0 there.
         out = []
         start, h = 0, 0
+        if parent is None and self.sglang and not self._sglang_plain(engine[0], tokens):
+            self._taint(g, engine, EXTRA_KEYS)  # a salted root (cache_salt): all of its chain
+            return []
         if parent is not None:
             pkey = K.engine_key(parent)
             pv = t.get(pkey)
@@ -378,6 +391,11 @@ class Rekey:
         else:
             return 0
         return 0 if prev is None else _unpack(prev)[1]
+
+    def _sglang_plain(self, h: int, tokens: list[int]) -> bool:
+        """The root page's hash is SGLang's page hash of its tokens, unsalted."""
+        d = K.sglang_page_digests(tokens[: self.e], self.e)[0]
+        return K.engine_key(h) == K.sglang_key(d)
 
     @staticmethod
     def _first_extra(raw: Any, nb: int) -> int:

@@ -713,6 +713,7 @@ class ZmqSource:
                 z.kvcm_block_tokens,
                 both=z.key_mode == "both",
                 capacity=z.key_table_entries,
+                sglang=z.engine == "sglang",
             )
         self.table_path = self.ckpt_path + ".keys"
         self.table_fp = fingerprint(z.engine, z.block_size, z.kvcm_block_tokens, self.required)

@@ -412,3 +412,20 @@ def test_status_command_shows_key_mode_check_and_table() -> None:
     assert "key_mode" in text and "rolling" in text
     assert "vllm_sha256_cbor=0, sglang_sha256=-" in text
     assert "key_table_entries" in text and "12" in text and "unknown_parent" in text
+
+
+def test_rekey_sglang_salted_root_taints_its_chain() -> None:
+    import hashlib as hl
+
+    r = Rig(4, 4)
+    r.rekey.sglang = True
+    plain = K.sglang_page_digests([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    # SGLang 0.5.23 seeds a salted chain's first page with sha256("sglang-cache-salt-v1\0" + salt)
+    seed = hl.sha256(b"sglang-cache-salt-v1\0tenant-a").digest()
+    salted = K.sglang_page_digests([1, 2, 3, 4, 5, 6, 7, 8], 4, prev=seed)
+    u64 = (1 << 64) - 1
+    r.send([r.stored([K.sglang_key(d) & u64 for d in plain], [1, 2, 3, 4, 5, 6, 7, 8])])
+    r.send([r.stored([K.sglang_key(d) & u64 for d in salted], [1, 2, 3, 4, 5, 6, 7, 8])])
+    r.send([r.stored([h("after-salt")], [9, 9, 9, 9], parent=K.sglang_key(salted[1]) & u64)])
+    assert r.held() == set(K.rolling_keys([1, 2, 3, 4, 5, 6, 7, 8], 4))  # the unsalted chain
+    assert r.rekey.unkeyed["extra_keys"] == 2 and r.rekey.unkeyed["tainted"] == 1
