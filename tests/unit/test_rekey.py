@@ -429,3 +429,22 @@ def test_rekey_sglang_salted_root_taints_its_chain() -> None:
     r.send([r.stored([h("after-salt")], [9, 9, 9, 9], parent=K.sglang_key(salted[1]) & u64)])
     assert r.held() == set(K.rolling_keys([1, 2, 3, 4, 5, 6, 7, 8], 4))  # the unsalted chain
     assert r.rekey.unkeyed["extra_keys"] == 2 and r.rekey.unkeyed["tainted"] == 1
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_rekey_engine_restart_drops_the_table_unless_a_seeded_scheme_was_proven(
+    seeded: bool,
+) -> None:
+    r = Rig(4, 4)
+    toks = list(range(1, 9))
+    if seeded:  # vLLM sha256_cbor with PYTHONHASHSEED=0: the key check proves it
+        hs: list[Any] = [K.vllm_key(d) for d in K.vllm_block_digests(toks, 4, seed="0")]
+    else:
+        hs = [h("x", 1), h("x", 2)]
+    r.send([r.stored(hs, toks)])
+    assert r.s.key_check is not None
+    assert r.s.key_check.result("vllm_sha256_cbor") == int(seeded)
+    r.seq = 0  # the engine restarted: its seq starts again
+    r.send([r.stored([h("z")], [6, 6, 6, 6])])
+    assert r.s.restarts == 1
+    assert (K.engine_key(hs[0]) in r.rekey.table.groups.get(0, {})) is seeded
