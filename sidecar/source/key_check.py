@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 VLLM, SGLANG = "vllm_sha256_cbor", "sglang_sha256"
 CHECK_SCHEMES = (VLLM, SGLANG)
 WARM_BATCHES = 8  # batches checked in full at start (and after an engine restart)
-EVENTS_PER_SAMPLE = 16384  # then one batch per this many events: < 1 % of the fold
+BATCHES_PER_SAMPLE = 2048  # then one batch in this many: well under 1 % of the fold's CPU
 MAX_EVENTS = 4  # BlockStored events checked per sampled batch
 DIGESTS_MAX = 1 << 16  # per scheme: engine key -> digest of checked blocks (chains continue)
 _GENERIC = msgspec.msgpack.Decoder()
@@ -78,7 +78,9 @@ class KeyCheck:
         self.batches = 0  # batches sampled
         self.warned = False
         self._warm = WARM_BATCHES
-        self._credit = 0
+        # Batches until the next sample: the fold decrements it inline and calls sample() at
+        # 0, so a batch not sampled costs one attribute update.
+        self.credit = 1
         self._digests: dict[str, dict[int, bytes]] = {s: {} for s in CHECK_SCHEMES}
 
     # ---- what the metrics and /status read --------------------------------------------------
@@ -109,22 +111,26 @@ class KeyCheck:
             self.checked[s] = self.failed[s] = 0
             self._digests[s].clear()
         self._warm = WARM_BATCHES
-        self._credit = 0
+        self.credit = 1
         self.warned = False
 
     # ---- the sample ---------------------------------------------------------------------------
-    def offer(self, payload: bytes, events: int) -> bool:
-        """An applied batch of `events` block events: checked if sampled (True)."""
+    def offer(self, payload: bytes) -> bool:
+        """An applied batch: sampled (True) when its turn has come (the fold inlines this)."""
+        self.credit -= 1
+        if self.credit > 0:
+            return False
+        self.sample(payload)
+        return True
+
+    def sample(self, payload: bytes) -> None:
+        """Check this batch; the next sample comes BATCHES_PER_SAMPLE batches later (the
+        first WARM_BATCHES batches are all checked)."""
         if self._warm > 0:
             self._warm -= 1
-        else:
-            self._credit += events
-            if self._credit < EVENTS_PER_SAMPLE:
-                return False
-            self._credit = 0
+        self.credit = 1 if self._warm else BATCHES_PER_SAMPLE
         self.batches += 1
         self.check_payload(payload)
-        return True
 
     def check_payload(self, payload: bytes) -> None:
         try:

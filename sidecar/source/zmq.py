@@ -635,8 +635,11 @@ class Stream:
             log.warning("zmq batch of another dp rank dropped seq=%d dp_rank=%d", seq, d.dp_rank)
             return
         self.batches["replayed" if replayed else "applied"] += 1
-        if self.key_check is not None:
-            self.key_check.offer(payload, sum(len(p.codes) for p in d.parts if type(p) is Segment))
+        kc = self.key_check
+        if kc is not None:  # KeyCheck.offer, inlined: a batch not sampled costs one decrement
+            kc.credit -= 1
+            if kc.credit <= 0:
+                kc.sample(payload)
         if self.decoder.dropped_recently:
             self.decoder.dropped_recently = False
             log.warning("zmq events dropped totals=%s", self.decoder.drops)
