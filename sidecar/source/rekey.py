@@ -61,13 +61,17 @@ def _unpack(v: int) -> tuple[int, int, int, int]:
     )
 
 
-def _raw(v: Any) -> bytes:
-    return bytes(v) if isinstance(v, msgspec.Raw) else b""
+_NIL, _NONE = msgspec.Raw(b"\xc0"), msgspec.Raw()
+
+
+def _raw(v: Any) -> Any:
+    """A field as msgpack (decoders read a Raw as it is, no copy); absent: empty."""
+    return v if isinstance(v, msgspec.Raw) else b""
 
 
 def _is_nil(raw: Any) -> bool:
-    b = _raw(raw)
-    return not b or b == b"\xc0"
+    """Absent, nil or None (positional events of older releases leave trailing fields out)."""
+    return raw is None or raw in (_NIL, _NONE)
 
 
 def _full_attention(kind: Any) -> bool:
@@ -297,7 +301,7 @@ class Rekey:
         t = table.group(g)
         nb = len(engine)
         # A re-store of blocks already in the table: their keys, without reading the tokens.
-        if all(k in t for k in engine):
+        if engine[0] in t and all(k in t for k in engine):
             out: list[int] = []
             for key in engine:
                 out += self._known(g, key, t[key])
@@ -306,9 +310,10 @@ class Rekey:
             self.unkeyed[GROUP] += nb
             return []
         try:
-            tokens = _TOKENS.decode(_raw(ev.token_ids)) if not _is_nil(ev.token_ids) else []
-            praw = _raw(ev.parent_block_hash)
-            parent = _PARENT.decode(praw) if praw else None
+            traw = ev.token_ids
+            tokens = [] if _is_nil(traw) else _TOKENS.decode(traw)
+            praw = ev.parent_block_hash
+            parent = None if _is_nil(praw) else _PARENT.decode(praw)
         except (msgspec.DecodeError, msgspec.ValidationError):
             self.unkeyed[MALFORMED] += nb
             return []
