@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 
 VLLM, SGLANG = "vllm_sha256_cbor", "sglang_sha256"
 CHECK_SCHEMES = (VLLM, SGLANG)
-WARM_BATCHES = 8  # batches checked in full at start (and after an engine restart)
-BATCHES_PER_SAMPLE = 2048  # then one batch in this many: well under 1 % of the fold's CPU
+WARM_BATCHES = 8  # flushes whose last batch is checked at start (and after an engine restart)
+BATCHES_PER_SAMPLE = 2048  # then one batch in about this many (at most one per flush)
 MAX_EVENTS = 4  # BlockStored events checked per sampled batch
 DIGESTS_MAX = 1 << 16  # per scheme: engine key -> digest of checked blocks (chains continue)
 _GENERIC = msgspec.msgpack.Decoder()
@@ -78,8 +78,8 @@ class KeyCheck:
         self.batches = 0  # batches sampled
         self.warned = False
         self._warm = WARM_BATCHES
-        # Batches until the next sample: the fold decrements it inline and calls sample() at
-        # 0, so a batch not sampled costs one attribute update.
+        # Batches until the next sample: the fold's flush subtracts the batches it folds and
+        # calls sample() with its last batch at 0, so a batch not sampled costs nothing.
         self.credit = 1
         self._digests: dict[str, dict[int, bytes]] = {s: {} for s in CHECK_SCHEMES}
 
@@ -122,6 +122,16 @@ class KeyCheck:
             return False
         self.sample(payload)
         return True
+
+    def sample_flush(self, payloads: list[bytes]) -> None:
+        """A flush's batches, in order: while warming up the first ones (as many as the warm up
+        has left: chains start there), else the last."""
+        todo: list[bytes] = []
+        for p in payloads:  # a batch's segments (split by clears) are consecutive
+            if not todo or todo[-1] is not p:
+                todo.append(p)
+        for p in todo[: self._warm] if self._warm else todo[-1:]:
+            self.sample(p)
 
     def sample(self, payload: bytes) -> None:
         """Check this batch; the next sample comes BATCHES_PER_SAMPLE batches later (the

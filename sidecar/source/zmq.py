@@ -417,6 +417,11 @@ class Stream:
         if not self._pend:
             return
         pend, self._pend = self._pend, []
+        kc = self.key_check
+        if kc is not None:  # one step per flush; now and then the last batch is checked
+            kc.credit -= len(pend)
+            if kc.credit <= 0:
+                kc.sample_flush([p.origin[1] for p in pend if p.origin is not None])
         f = to_blocks(pend)
         evs = [e for p in pend for e in p.events] if self.rekey is not None else None
         if f.bad:
@@ -635,11 +640,6 @@ class Stream:
             log.warning("zmq batch of another dp rank dropped seq=%d dp_rank=%d", seq, d.dp_rank)
             return
         self.batches["replayed" if replayed else "applied"] += 1
-        kc = self.key_check
-        if kc is not None:  # KeyCheck.offer, inlined: a batch not sampled costs one decrement
-            kc.credit -= 1
-            if kc.credit <= 0:
-                kc.sample(payload)
         if self.decoder.dropped_recently:
             self.decoder.dropped_recently = False
             log.warning("zmq events dropped totals=%s", self.decoder.drops)
