@@ -13,6 +13,10 @@ Baseline in the same run (ratio_* = the baseline's time / ours): a straightforwa
 msgspec decode into dicts, each hash counted in a Python dict keyed by (key, medium, group).
 
   python -m bench.zmq_source [--quick] [--idle-seconds 20]
+  python -m bench.zmq_source --key-mode rolling [--quick]   (bench/results/zmq_source_rolling.json)
+
+--key-mode rolling|both: the same, with stores that chain (a parent, distinct tokens: 16-token
+blocks re-keyed to KVCM's rolling keys), fold and end to end only.
 """
 
 from __future__ import annotations
@@ -101,16 +105,73 @@ def payloads(
     return out
 
 
-def fold(batches: list[bytes]) -> tuple[float, int]:
+def chained_payloads(n_blocks: int) -> list[bytes]:
+    """payloads() for key modes rolling / both: a store starts a chain (30 %) or continues one
+    from a held block (its parent), with tokens of its own; a duplicate re-stores a held block
+    with its parent and tokens, as vLLM does."""
+    rng = random.Random(7)
+    held: dict[str, list[int]] = {"GPU": [], "CPU": []}
+    made: dict[int, tuple[int | None, int]] = {}  # hash -> (parent, first token)
+    out: list[bytes] = []
+    done = 0
+    enc = msgspec.msgpack.Encoder()
+    while done < n_blocks:
+        events: list[Any] = []
+        for _ in range(EVENTS_PER_BATCH):
+            medium = "GPU" if rng.random() < 0.7 else "CPU"
+            pool = held[medium]
+            fields: dict[str, Any]
+            if pool and (len(pool) > 50_000 or rng.random() < 0.4):
+                hs = []
+                for _ in range(min(BLOCKS_PER_EVENT, len(pool))):
+                    i = rng.randrange(len(pool))
+                    pool[i], pool[-1] = pool[-1], pool[i]
+                    hs.append(pool.pop())
+                events.append({"type": "BlockRemoved", "block_hashes": hs, "medium": medium})
+                done += len(hs)
+                continue
+            if pool and rng.random() < 0.1:
+                h = pool[rng.randrange(len(pool))]
+                parent, t0 = made[h]
+                hs, toks = [h], list(range(t0, t0 + BLOCK_SIZE))
+            else:
+                parent = pool[rng.randrange(len(pool))] if pool and rng.random() < 0.7 else None
+                hs = [rng.getrandbits(64) for _ in range(BLOCKS_PER_EVENT)]
+                t0 = rng.randrange(1 << 20)
+                toks = list(range(t0, t0 + BLOCK_SIZE * len(hs)))
+                prev = parent
+                for j, h in enumerate(hs):
+                    made[h] = (prev, t0 + j * BLOCK_SIZE)
+                    prev = h
+            pool.extend(hs)
+            fields = {
+                "block_hashes": hs,
+                "parent_block_hash": parent,
+                "token_ids": toks,
+                "block_size": BLOCK_SIZE,
+                "lora_id": None,
+                "medium": medium,
+            }
+            events.append({"type": "BlockStored", **fields})
+            done += len(hs)
+        out.append(enc.encode([time.time(), events, 0]))
+    return out
+
+
+def fold(batches: list[bytes], key_mode: str = "engine") -> tuple[float, int]:
     """CPU seconds to decode and fold every batch into counts and key state; block events."""
+    from sidecar.source.rekey import Rekey
+
     keys = KeyState((0,))
     s = Stream(
-        EventDecoder(MEDIUMS, BLOCK_SIZE, 0),
+        EventDecoder(MEDIUMS, BLOCK_SIZE, 0, full=key_mode != "engine"),
         BlockCounts(keys),
         dp_rank=0,
         can_replay=False,
         replay_timeout_s=1.0,
     )
+    if key_mode != "engine":
+        s.rekey = Rekey(BLOCK_SIZE, BLOCK_SIZE, both=key_mode == "both")
     t0 = time.process_time()
     for seq, p in enumerate(batches):
         s.on_live(seq, p)
@@ -186,7 +247,7 @@ class Blaster:
         self.ctx.destroy(0)
 
 
-def _sidecar(base: str, b: Blaster, state_dir: str) -> Child:
+def _sidecar(base: str, b: Blaster, state_dir: str, key_mode: str = "engine") -> Child:
     env = {
         **os.environ,
         "KV_CACHE_EVENT_MANAGER_ENDPOINT": base,
@@ -199,6 +260,7 @@ def _sidecar(base: str, b: Blaster, state_dir: str) -> Child:
         "KV_CACHE_EVENT_ZMQ_REPLAY_ENDPOINT": b.replay_endpoint,
         "KV_CACHE_EVENT_ZMQ_BIND": "false",
         "KV_CACHE_EVENT_STATE_DIR": state_dir,
+        "KV_CACHE_EVENT_ZMQ_KEY_MODE": key_mode,
     }
     return Child(PY, "-m", "sidecar.cli", "run", env=env)
 
@@ -229,10 +291,10 @@ def _until(url: str, pred: Any, timeout_s: float = 120.0) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _running(base: str, tmp: str) -> Iterator[tuple[Blaster, Child, str]]:
+def _running(base: str, tmp: str, key_mode: str = "engine") -> Iterator[tuple[Blaster, Child, str]]:
     """A blaster and a `kvcm-sidecar run` subscribed to it, READY; stopped afterwards."""
     b = Blaster()
-    side = _sidecar(base, b, tmp)
+    side = _sidecar(base, b, tmp, key_mode)
     try:
         url = _status_url(side)
         b.wait_subscriber()
@@ -244,8 +306,10 @@ def _running(base: str, tmp: str) -> Iterator[tuple[Blaster, Child, str]]:
         b.close()
 
 
-def end_to_end(base: str, batches: list[bytes], blocks: int, tmp: str) -> dict[str, float]:
-    with _running(base, tmp) as (b, side, url):
+def end_to_end(
+    base: str, batches: list[bytes], blocks: int, tmp: str, key_mode: str = "engine"
+) -> dict[str, float]:
+    with _running(base, tmp, key_mode) as (b, side, url):
         cpu0, _ = _proc_stats(side.p.pid)
         t0 = time.monotonic()
         b.send(batches)
@@ -290,8 +354,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--idle-seconds", type=float, default=20.0)
+    ap.add_argument("--key-mode", default="engine", choices=("engine", "rolling", "both"))
     a = ap.parse_args()
     n = 200_000 if a.quick else 2_000_000
+    if a.key_mode != "engine":
+        keyed(a.key_mode, n)
+        return
     out: dict[str, Any] = {"python": sys.version.split()[0], "block_events": n}
     variants: list[tuple[str, dict[str, Any]]] = [
         ("map_int", {}),
@@ -320,6 +388,29 @@ def main() -> None:
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "zmq_source.json").write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out, indent=2))
+
+
+def keyed(mode: str, n: int) -> None:
+    """Key modes rolling / both: fold and end to end on chained 16-token blocks."""
+    out: dict[str, Any] = {"python": sys.version.split()[0], "block_events": n, "key_mode": mode}
+    batches = chained_payloads(n)
+    blocks = sum(_blocks(p) for p in batches)
+    cpu, folded = min(fold(batches, mode) for _ in range(3))
+    cpu_engine, _ = min(fold(batches) for _ in range(3))
+    out[f"fold_{mode}_block_events_per_s"] = folded / cpu
+    out["fold_engine_same_payloads_block_events_per_s"] = folded / cpu_engine
+    null, base = _null_server()
+    tmp = f"/tmp/kvcm-bench-zmq-{os.getpid()}"  # noqa: S108 - a scratch state dir
+    try:
+        out.update(end_to_end(base, batches, blocks, tmp, mode))
+    finally:
+        null.stop()
+    out["goals"] = {
+        f"{mode}: end to end >= 0.8 M block events/s": out["e2e_block_events_per_s"] >= 8e5,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"zmq_source_{mode}.json").write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))
 
 

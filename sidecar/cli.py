@@ -220,6 +220,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="cluster mode: the leader lease (renewed at a third)",
     )
     _replay_parser(sub)
+    k = _sub(
+        sub,
+        "keys",
+        "print the block keys of token ids (for router authors)",
+        "Read token ids from stdin (a JSON array, or separated by whitespace) and print one key "
+        "per full block, as KVCM stores it (signed int64): rolling is KVCM's own hash (token_ids "
+        "queries, key_mode rolling); vllm_sha256_cbor is vLLM's --prefix-caching-hash-algo "
+        "sha256_cbor with PYTHONHASHSEED=--seed; sglang_sha256 is SGLang's page hash. See "
+        'docs/operations.md "Keys".',
+    )
+    k.add_argument(
+        "--scheme",
+        required=True,
+        choices=("rolling", "vllm_sha256_cbor", "sglang_sha256"),
+        help="which key: KVCM's rolling hash, vLLM sha256_cbor, SGLang's page hash",
+    )
+    k.add_argument("--block-size", type=int, required=True, help="tokens per block (page)")
+    k.add_argument("--seed", default="0", help="vllm_sha256_cbor: the hash seed (default 0)")
+    k.add_argument("--json", action="store_true", help="one JSON document (keys and digests)")
     return p
 
 
@@ -276,6 +295,24 @@ def _replay_parser(sub: Any) -> None:
         type=float,
         default=2e-9,
         help="cost model: per new token x context length (attention)",
+    )
+    r.add_argument(
+        "--source",
+        choices=("ring", "zmq"),
+        default="ring",
+        help="ring: engine_hook engines (default); zmq: vLLM-format ZMQ KV-event engines, one "
+        "table row per --key-mode x --engine-hash",
+    )
+    r.add_argument(
+        "--engine-hash",
+        default="random_seed",
+        help="zmq: comma list of vllm_default (sha256 over pickle), sha256_cbor_seed0 (what "
+        "FlexLB expects), random_seed (a seed per engine, as xxhash)",
+    )
+    r.add_argument(
+        "--key-mode",
+        default="rolling",
+        help="zmq: comma list of the sidecars' key modes (engine, rolling, both)",
     )
     r.add_argument("--json", type=Path, default=None, help="write the results document here")
     r.add_argument(
@@ -413,6 +450,33 @@ async def run_sidecar(cfg: Config) -> int:
     return await Daemon(cfg, stop).run()
 
 
+def print_keys(args: argparse.Namespace) -> int:
+    from sidecar import keys
+
+    if args.scheme is None or args.block_size <= 0:
+        sys.stderr.write("kvcm-sidecar keys: --scheme and --block-size > 0 are required\n")
+        return EXIT_CONFIG
+    try:
+        tokens = keys.parse_tokens(sys.stdin.read())
+    except ValueError as exc:
+        sys.stderr.write(f"kvcm-sidecar keys: stdin is not token ids: {exc}\n")
+        return EXIT_CONFIG
+    got = keys.keys_for(args.scheme, tokens, args.block_size, args.seed)
+    if args.json:
+        doc = {
+            "scheme": args.scheme,
+            "block_size": args.block_size,
+            "seed": args.seed if args.scheme == "vllm_sha256_cbor" else None,
+            "tokens": len(tokens),
+            "keys": [k for k, _ in got],
+            "digests": [d for _, d in got] if args.scheme != "rolling" else None,
+        }
+        sys.stdout.write(json.dumps(doc) + "\n")
+    else:
+        sys.stdout.write("".join(f"{k}\n" for k, _ in got))
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -442,6 +506,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         logging.basicConfig(level=logging.WARNING)
         sys.exit(replay_cli.main(args))
+    if args.command == "keys":
+        sys.exit(print_keys(args))
     if args.command == "status":
         from sidecar import status as status_cmd
 

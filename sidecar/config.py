@@ -104,6 +104,21 @@ class ZmqConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # lost at the end of a burst, which no later seq would reveal (0: never)
     tail_check_s: NonNegFloat = 1.0
     checkpoint_interval_s: PosFloat = 5.0
+    # Keys (docs/operations.md "Keys"): engine = the engine's hash (low 64 bits); rolling =
+    # KVCM's rolling hash of the block's token prefix, at kvcm_block_size; both = both keys
+    # (doubles KVCM's metadata and snapshot size)
+    key_mode: Literal["engine", "rolling", "both"] = "engine"
+    # KVCM's tokens per block in rolling/both (0: block_size): block_size * n or block_size / n
+    kvcm_block_size: Annotated[int, Meta(ge=0)] = 0
+    key_table_entries: PosInt = 4_194_304  # rolling: (group, engine hash) -> state, LRU bound
+    router_hash_seed: str = "0"  # the key check's vllm_sha256_cbor seed (FlexLB's default "0")
+
+    @property
+    def kvcm_block_tokens(self) -> int:
+        """The block size KVCM sees: the engine's in `engine` mode, else kvcm_block_size."""
+        if self.key_mode == "engine" or not self.kvcm_block_size:
+            return self.block_size
+        return self.kvcm_block_size
 
 
 class SourceConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -245,6 +260,12 @@ def _check_zmq(z: ZmqConfig) -> None:
         raise ValueError(f"source.zmq.health_url {z.health_url!r} must be http(s)://host[:port]/")
     medium_map(z.medium_map)
     group_list(z.required_groups)
+    e, k = z.block_size, z.kvcm_block_tokens
+    if z.key_mode != "engine" and max(e, k) % min(e, k):
+        raise ValueError(
+            f"source.zmq.kvcm_block_size {k} must be the engine's block size {e} times or "
+            "divided by a whole number"
+        )
 
 
 _ENDPOINT = re.compile(r"https?://([^@/\s]+@)?[A-Za-z0-9.\-\[\]:]+:\d{1,5}/?")
@@ -271,6 +292,7 @@ ENV_ALIASES = {
     "KV_CACHE_EVENT_METRICS_ADDR": "http.metrics_addr",
     "KV_CACHE_EVENT_SOURCE": "source.kind",
     "KV_CACHE_EVENT_STATE_DIR": "source.state_dir",
+    "KV_CACHE_EVENT_KVCM_BLOCK_SIZE": "source.zmq.kvcm_block_size",
 }
 
 
@@ -357,7 +379,7 @@ def load(
         raise ConfigError(f"{where}: {path}: {msg}" if path else f"{where}: {msg}") from None
 
 
-_LOWERED = ("publisher_type", "source.kind", "source.zmq.engine")
+_LOWERED = ("publisher_type", "source.kind", "source.zmq.engine", "source.zmq.key_mode")
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:

@@ -33,6 +33,7 @@ class ZRank:
     r: int
     host: str
     hash_kind: str
+    engine_hash: str  # how the engine hashes its blocks (testbed/engine_hash.py)
     pub: PublisherProcess | None = None
     sidecar: Proc | None = None
     metrics_port: int = 0
@@ -46,8 +47,8 @@ class ZmqDemo:
         self.out = out
         self.instance = f"demo-zmq-{uuid.uuid4().hex[:6]}"
         self.ranks = [
-            ZRank(0, "127.0.0.1:18100", "int"),
-            ZRank(1, "127.0.0.1:18101", "bytes"),
+            ZRank(0, "127.0.0.1:18100", "int", "sha256_cbor_seed0"),
+            ZRank(1, "127.0.0.1:18101", "bytes", "vllm_default"),
         ]
         self.tasks: list[asyncio.Task[None]] = []
         self.server: Proc | None = None
@@ -107,11 +108,15 @@ class ZmqDemo:
         self.say(f"  KVCM-compatible server at {self.base}")
         for rk in self.ranks:
             rk.pub = await asyncio.to_thread(
-                PublisherProcess, flavour="vllm", hash_kind=rk.hash_kind, dp_rank=rk.r
+                PublisherProcess,
+                flavour="vllm",
+                hash_kind=rk.hash_kind,
+                dp_rank=rk.r,
+                engine_hash=rk.engine_hash,
             )
             await self.start_sidecar(rk)
             self.say(
-                f"  rank {rk.r}: vLLM-format engine ({rk.hash_kind} hashes) on "
+                f"  rank {rk.r}: vLLM-format engine ({rk.hash_kind} hashes, {rk.engine_hash}) on "
                 f"{rk.pub.ready['pub']} (replay {rk.pub.ready['replay']}), sidecar pid "
                 f"{rk.sidecar.p.pid if rk.sidecar else 0}, reporter {rk.host}"
             )
@@ -181,7 +186,7 @@ class ZmqDemo:
         self.say("")
         self.say(
             f"  {'rank':>4} {'hashes':>6} {'truth':>6} {'in KVCM':>8} {'hbm':>5} {'mem':>5} "
-            f"{'gaps':>5} {'replays':>7} {'forgets':>7}  converged"
+            f"{'gaps':>5} {'replays':>7} {'forgets':>7}  {'key check':<22} converged"
         )
         for rk in self.ranks:
             truth = await self._truth(rk)
@@ -190,12 +195,20 @@ class ZmqDemo:
                 st = await r.json(content_type=None)
             replays = sum(st.get("zmq_replays", {}).values())
             forgets = sum(st.get("zmq_forgets", {}).values())
+            kc = st.get("key_check", {}).get("vllm_sha256_cbor")
+            check = f"vllm_sha256_cbor={'-' if kc is None else kc}"
             self.say(
                 f"  {rk.r:>4} {rk.hash_kind:>6} {len(truth):>6} {len(vis):>8} "
                 f"{sum(1 for _, m in vis if m == 'hbm'):>5} "
                 f"{sum(1 for _, m in vis if m == 'mem'):>5} {st.get('zmq_gaps', 0):>5} "
-                f"{replays:>7} {forgets:>7}  {'yes' if ok[rk.r] else 'NO'}"
+                f"{replays:>7} {forgets:>7}  {check:<22} {'yes' if ok[rk.r] else 'NO'}"
             )
+        self.say(
+            "  key check: 1 = a router hashing prompts as FlexLB does (sha256_cbor, seed 0) "
+            "finds these keys; 0 = it cannot (vLLM's default sha256 over pickle): run that "
+            "engine with --prefix-caching-hash-algo sha256_cbor and PYTHONHASHSEED=0, or the "
+            "sidecar with KV_CACHE_EVENT_ZMQ_KEY_MODE=rolling"
+        )
         self.say("")
         self.say(
             "  RESULT: "

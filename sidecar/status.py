@@ -73,6 +73,19 @@ def render(doc: Mapping[str, Any]) -> str:
         "engine_liveness_age_s",
     ]
     lines.extend(f"  {key:<22} {doc[key]}" for key in order if key in doc)
+    if "key_mode" in doc:  # the ZMQ source: keys a router can ask for
+        kc = doc.get("key_check", {})
+        checks = ", ".join(
+            f"{s}={'-' if kc.get(s) is None else kc[s]}"
+            for s in ("vllm_sha256_cbor", "sglang_sha256")
+        )
+        lines.append(f"  {'key_mode':<22} {doc['key_mode']}")
+        lines.append(f"  {'key_check':<22} {checks}")
+        if "rekey" in doc:
+            r = doc["rekey"]
+            lines.append(f"  {'key_table_entries':<22} {r.get('key_table_entries')}")
+            lines.append(f"  {'key_table_evictions':<22} {r.get('key_table_evictions')}")
+            lines.append(f"  {'blocks_unkeyed':<22} {r.get('blocks_unkeyed')}")
     for op, t in sorted(doc.get("last_success", {}).items()):
         lines.append(f"  last ok {op:<14} {time.strftime('%H:%M:%S', time.localtime(t))}")
     return "\n".join(lines) + "\n"

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
-from engine_hook.rolling_hash import block_keys as rolling_keys
+from sidecar.keys import rolling_keys
 from sidecar.kvcm_server import proto as P
 from sidecar.kvcm_server.report import EventReport
 from sidecar.kvcm_server.state import ApiError, KeyMap, Loc, State, uri_version

@@ -18,6 +18,8 @@ from sidecar.kvcm_client.client import Result
 from sidecar.kvcm_client.discovery import Discovery
 from sidecar.publisher import Publisher, State
 from sidecar.shm_ring import layout as L
+from sidecar.source.key_check import CHECK_SCHEMES
+from sidecar.source.rekey import REASONS
 from sidecar.source.ring import RingSource
 from sidecar.source.zmq import ZmqSource
 
@@ -122,6 +124,16 @@ METRICS: dict[str, tuple[str, str]] = {
         "Checkpoints not written or not loaded, by reason.",
     ),
     "kvcm_sidecar_zmq_health_failures": ("gauge", "Consecutive failed engine health probes."),
+    "kvcm_sidecar_key_check": (
+        "gauge",
+        "Per router scheme: 1 every sampled engine block hash reproduced, 0 one did not.",
+    ),
+    "kvcm_sidecar_blocks_unkeyed": (
+        "counter",
+        "Stored blocks not reported under a rolling key (key_mode rolling/both), by reason.",
+    ),
+    "kvcm_sidecar_key_table_entries": ("gauge", "Engine hash -> rolling state entries."),
+    "kvcm_sidecar_key_table_evictions": ("counter", "Key table entries evicted (LRU)."),
 }
 # Exported only with that source (source.kind); the rest always.
 RING_ONLY = frozenset(
@@ -135,7 +147,9 @@ RING_ONLY = frozenset(
         "kvcm_sidecar_ring_unknown_medium_records",
     }
 )
-ZMQ_ONLY = frozenset(name for name in METRICS if name.startswith("kvcm_sidecar_zmq_"))
+ZMQ_ONLY = frozenset(
+    name for name in METRICS if name.startswith(("kvcm_sidecar_zmq_", "kvcm_sidecar_key"))
+) | {"kvcm_sidecar_blocks_unkeyed"}
 
 OUTCOMES = ("ok", "retry", "resnapshot", "reregister", "circuit_open")
 
@@ -324,3 +338,15 @@ def _zmq_families(src: ZmqSource) -> Iterator[Metric]:
     yield gauge("kvcm_sidecar_zmq_checkpoint_age_seconds", src.checkpoint_age_s())
     yield _by("kvcm_sidecar_zmq_checkpoint_errors", "reason", src.ckpt_errors)
     yield gauge("kvcm_sidecar_zmq_health_failures", src.health_failures)
+    check = GaugeMetricFamily(
+        "kvcm_sidecar_key_check", METRICS["kvcm_sidecar_key_check"][1], labels=["scheme"]
+    )
+    for scheme, ok in src.key_check.status().items():
+        if scheme in CHECK_SCHEMES and ok is not None:  # absent until a block was checked
+            check.add_metric([scheme], ok)
+    yield check
+    r = src.rekey
+    unkeyed = dict.fromkeys(REASONS, 0) if r is None else {x: r.unkeyed[x] for x in REASONS}
+    yield _by("kvcm_sidecar_blocks_unkeyed", "reason", unkeyed)
+    yield gauge("kvcm_sidecar_key_table_entries", 0 if r is None else r.table.n)
+    yield counter("kvcm_sidecar_key_table_evictions", 0 if r is None else r.table.evictions)

@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from sidecar.replay.report import plot
 from sidecar.replay.router import CostModel
-from sidecar.replay.run import Settings, replay
+from sidecar.replay.run import Settings, keys_table, replay
 from sidecar.replay.stack import StackError
 from sidecar.replay.trace import Request, TraceError, Workload, generated, read
 
@@ -25,7 +26,20 @@ def load(args: argparse.Namespace) -> tuple[list[Request], Settings]:
     """Settings and requests from the arguments; ValueError (TraceError too) names the problem."""
     cost = CostModel(args.overhead_s, args.per_token_s, args.per_token_ctx_s, args.block_tokens)
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-    cfg = Settings(args.ranks, args.capacity_blocks, args.speed, policies, args.seed, cost)
+    cfg = Settings(
+        args.ranks,
+        args.capacity_blocks,
+        args.speed,
+        policies,
+        args.seed,
+        cost,
+        source=args.source,
+        engine_hash=args.engine_hash.split(",")[0],
+        key_mode=args.key_mode.split(",")[0],
+    )
+    for km in args.key_mode.split(","):
+        for eh in args.engine_hash.split(","):
+            replace(cfg, key_mode=km.strip(), engine_hash=eh.strip())  # validates every row
     if args.requests is not None and args.requests < 1:
         raise ValueError("--requests must be >= 1")
     if args.trace is not None:
@@ -48,6 +62,8 @@ def main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         return EXIT_CONFIG
     source = str(args.trace) if args.trace else f"generated trace (seed {args.seed})"
     out.write(f"kvcm-sidecar replay: {source}, policies {','.join(cfg.policies)}\n")
+    if cfg.source == "zmq":
+        return _zmq(args, requests, cfg, source, out)
     try:
         doc, runs = replay(requests, cfg, out=out)
     except (StackError, OSError) as exc:  # a child died or stopped answering: no report
@@ -67,6 +83,33 @@ def main(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         out.write(f"  results: {args.json}\n")
     ok = all(r.served_once() and r.consistent for r in runs)
+    if not ok:
+        out.write("  FAILED: a request was not served exactly once or KVCM did not match\n")
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+def _zmq(
+    args: argparse.Namespace, requests: list[Request], cfg: Settings, source: str, out: TextIO
+) -> int:
+    """One replay per (key mode, engine hash), then one table row each."""
+    docs: list[dict[str, Any]] = []
+    ok = True
+    for km in args.key_mode.split(","):
+        for eh in args.engine_hash.split(","):
+            row = replace(cfg, key_mode=km.strip(), engine_hash=eh.strip())
+            out.write(f"  --source zmq, key mode {row.key_mode}, engine hash {row.engine_hash}\n")
+            try:
+                doc, runs = replay(requests, row, out=out)
+            except (StackError, OSError) as exc:
+                sys.stderr.write(f"kvcm-sidecar replay: {exc}\n")
+                return EXIT_FAILED
+            doc["trace"] = source
+            docs.append(doc)
+            ok = ok and all(r.served_once() and r.consistent for r in runs)
+    out.write(keys_table(docs) + "\n")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"rows": docs}, indent=2) + "\n")
+        out.write(f"  results: {args.json}\n")
     if not ok:
         out.write("  FAILED: a request was not served exactly once or KVCM did not match\n")
     return EXIT_OK if ok else EXIT_FAILED

@@ -72,6 +72,7 @@ class Router:
         query: QueryClient | None = None,
         instance_id: str = "",
         probe: Probe | None = None,
+        keys_for: Callable[[Request], Sequence[int]] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}")
@@ -82,6 +83,7 @@ class Router:
         self.query = query
         self.instance_id = instance_id
         self.probe = probe
+        self.keys_for = keys_for  # the keys KVCM is asked for (None: the trace's chain keys)
         self.loads = [Load() for _ in hosts]
         self.turn = 0
         self.query_errors = 0
@@ -107,7 +109,8 @@ class Router:
             )
         assert self.query is not None
         try:
-            state = await self.query.get_host_cache_state(self.instance_id, req.keys)
+            keys = req.keys if self.keys_for is None else self.keys_for(req)
+            state = await self.query.get_host_cache_state(self.instance_id, keys)
         except QueryError:
             self.query_errors += 1  # a failed query is a miss everywhere: route on load alone
             return [0] * len(self.hosts)

@@ -19,6 +19,7 @@ import aiohttp
 from sidecar.kvcm_client.query import QueryClient
 from sidecar.replay.report import Outcome, PolicyRun, document, table
 from sidecar.replay.router import POLICIES, CostModel, Router
+from sidecar.replay.router_keys import RouterKeys
 from sidecar.replay.stack import Stack, StackError
 from sidecar.replay.trace import Request, theoretical_hit_rate
 
@@ -32,6 +33,9 @@ class Settings:
     seed: int = 1
     cost: CostModel = field(default_factory=CostModel)
     lead_in_s: float = 0.3  # wall seconds between setting trace time 0 and the first arrival
+    source: str = "ring"  # zmq: vLLM-format ZMQ engines (one row per key mode x engine hash)
+    engine_hash: str = "random_seed"
+    key_mode: str = "engine"
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -45,6 +49,12 @@ class Settings:
         bad = [p for p in self.policies if p not in POLICIES]
         if bad or not self.policies:
             raise ValueError(f"--policies: unknown {bad}, choose from {','.join(POLICIES)}")
+        if self.source not in ("ring", "zmq"):
+            raise ValueError("--source must be ring or zmq")
+        if self.key_mode not in ("engine", "rolling", "both"):
+            raise ValueError("--key-mode: engine, rolling or both")
+        if self.engine_hash not in ("vllm_default", "sha256_cbor_seed0", "random_seed"):
+            raise ValueError("--engine-hash: vllm_default, sha256_cbor_seed0 or random_seed")
 
 
 class Replay:
@@ -53,8 +63,21 @@ class Replay:
         self.cfg = cfg
         cost = {k: v for k, v in asdict(cfg.cost).items() if k != "block_tokens"}
         self.stack = Stack(
-            cfg.ranks, cfg.capacity_blocks, cfg.cost.block_tokens, cost, self._on_event, endpoint
+            cfg.ranks,
+            cfg.capacity_blocks,
+            cfg.cost.block_tokens,
+            cost,
+            self._on_event,
+            endpoint,
+            source=cfg.source,
+            engine_hash=cfg.engine_hash,
+            key_mode=cfg.key_mode,
         )
+        self.keys_for: RouterKeys | None = None
+        if cfg.source == "zmq":  # the router hashes token ids as the key mode needs
+            how = "flexlb" if cfg.key_mode == "engine" else "rolling"
+            self.keys_for = RouterKeys(how, cfg.cost.block_tokens)
+        self.key_check: list[int | None] = []
         self.run: PolicyRun | None = None
         self.router: Router | None = None
         self.remaining = 0
@@ -92,6 +115,7 @@ class Replay:
             query=QueryClient(s, st.endpoint),
             instance_id=st.instance_id,
             probe=lambda e, keys, at: engines[e].probe(keys, at),
+            keys_for=self.keys_for,
         )
         self.remaining = len(self.requests)
         self.all_done.clear()
@@ -132,6 +156,8 @@ class Replay:
             run.evictions += int(dump["evictions"])
             run.ring_dropped += int(dump["dropped"])
         run.consistent = await st.converge(s, want)
+        if cfg.source == "zmq":
+            self.key_check = await st.key_check(s)
         run.query_errors = router.query_errors
         self.run = self.router = None
         for eng in engines:
@@ -171,6 +197,13 @@ class Replay:
             "seed": cfg.seed,
             "cost_model": {k: v for k, v in asdict(cfg.cost).items() if k != "block_tokens"},
         }
+        if cfg.source == "zmq":
+            meta |= {
+                "source": "zmq",
+                "key_mode": cfg.key_mode,
+                "engine_hash": cfg.engine_hash,
+                "key_check_vllm_sha256_cbor": self.key_check,
+            }
         return document(runs, theo, meta)
 
 
@@ -184,3 +217,29 @@ def replay(
     doc = uvloop.run(r.execute(out))
     out.write(table(doc) + "\n")
     return doc, r.runs
+
+
+def keys_table(docs: list[dict[str, Any]]) -> str:
+    """One row per (key mode, engine hash) of `replay --source zmq`: hit rates and the ratios
+    the issue's goals name."""
+    head = f"  {'key mode':<9}{'engine hash':<19}{'key check':>10}"
+    names = list(docs[0]["policies"]) if docs else []
+    head += "".join(f"{n:>13}" for n in names) + f"{'kvcm/oracle':>13}{'kvcm/rr':>9}"
+    rows = [head]
+    for d in docs:
+        p = d["policies"]
+        kc = d.get("key_check_vllm_sha256_cbor") or []
+        check = "-" if not kc or None in kc else str(min(x for x in kc if x is not None))
+        line = f"  {d['key_mode']:<9}{d['engine_hash']:<19}{check:>10}"
+        line += "".join(f"{p[n]['hit_rate']:>12.1%} " for n in names)
+        kv = p.get("kvcm", {}).get("hit_rate")
+        orc = p.get("oracle", {}).get("hit_rate")
+        rr = p.get("round_robin", {}).get("hit_rate")
+        line += f"{kv / orc:>13.2f}" if kv is not None and orc else f"{'-':>13}"
+        line += f"{kv / rr:>9.2f}" if kv is not None and rr else f"{'-':>9}"
+        rows.append(line)
+    rows.append(
+        "  key check 1: FlexLB's keys (vLLM sha256_cbor, seed 0) match the engine's; 0: they do "
+        "not, so in key mode engine KVCM is asked for keys no engine reported"
+    )
+    return "\n".join(rows)

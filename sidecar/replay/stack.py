@@ -105,6 +105,12 @@ class Stack:
     cost: dict[str, float]
     on_event: EngineEvent
     endpoint: str = ""  # an already running KVCM-compatible server (the demo's); else our own
+    # ring: engine_hook engines; zmq: vLLM-format ZMQ engines (testbed/zmq_prefill_engine.py)
+    # hashing as `engine_hash` says, each sidecar in `key_mode`
+    source: str = "ring"
+    engine_hash: str = "random_seed"
+    key_mode: str = "engine"
+    state_dir: str = ""
     instance_id: str = field(default_factory=lambda: f"replay-{uuid.uuid4().hex[:6]}")
     rk: list[Rank] = field(default_factory=list)
     server: Proc | None = None
@@ -127,10 +133,14 @@ class Stack:
                 "block_tokens": self.block_tokens,
                 "cost": self.cost,
             }
+            module = "sidecar.testbed.prefill_engine"
+            if self.source == "zmq":
+                module = "sidecar.testbed.zmq_prefill_engine"
+                args |= {"engine_hash": self.engine_hash, "key_mode": self.key_mode}
             p = await asyncio.create_subprocess_exec(
                 PY,
                 "-m",
-                "sidecar.testbed.prefill_engine",
+                module,
                 json.dumps(args),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
@@ -148,6 +158,19 @@ class Stack:
                 raise StackError(f"engine{rk.r} did not start") from None
             if ready.get("ev") != "ready":
                 raise StackError(f"engine{rk.r}: {ready}")
+            env = None
+            if self.source == "zmq":
+                env = {
+                    "KV_CACHE_EVENT_SOURCE": "zmq",
+                    "KV_CACHE_EVENT_ZMQ_ENDPOINT": ready["pub"],
+                    "KV_CACHE_EVENT_ZMQ_REPLAY_ENDPOINT": ready["replay"],
+                    "KV_CACHE_EVENT_ZMQ_BIND": "false",
+                    "KV_CACHE_EVENT_ZMQ_ENGINE": "vllm",
+                    "KV_CACHE_EVENT_ZMQ_BLOCK_SIZE": str(self.block_tokens),
+                    "KV_CACHE_EVENT_ZMQ_KEY_MODE": self.key_mode,
+                    "KV_CACHE_EVENT_ZMQ_REPLAY_TIMEOUT_S": "10",
+                    "KV_CACHE_EVENT_STATE_DIR": self.state_dir or f"/tmp/kvcm-replay-{rk.ring[1:]}",  # noqa: S108
+                }
             rk.sidecar, rk.metrics_port = await start_sidecar(
                 self.tasks,
                 endpoint=self.endpoint,
@@ -155,6 +178,7 @@ class Stack:
                 dp_rank=rk.r,
                 host=rk.host,
                 ring=rk.ring,
+                env=env,
             )
         async with aiohttp.ClientSession() as s:
             for rk in self.rk:
@@ -162,6 +186,15 @@ class Stack:
                     await await_ready(s, rk.metrics_port)
                 except TimeoutError:
                     raise StackError(f"sidecar{rk.r} not ready in 30 s") from None
+
+    async def key_check(self, s: aiohttp.ClientSession) -> list[int | None]:
+        """Each sidecar's key check for vllm_sha256_cbor (ZMQ: can FlexLB recompute its keys)."""
+        out: list[int | None] = []
+        for rk in self.rk:
+            async with s.get(f"http://127.0.0.1:{rk.metrics_port}/status") as r:
+                st = await r.json(content_type=None)
+            out.append(st.get("key_check", {}).get("vllm_sha256_cbor"))
+        return out
 
     def engines(self) -> list[Engine]:
         return [rk.engine for rk in self.rk if rk.engine is not None]

@@ -56,6 +56,23 @@ def chain_keys(hash_ids: Iterable[int]) -> list[int]:
     return out
 
 
+def block_tokens(chain_key: int, n: int) -> list[int]:
+    """The token ids of a block, from its chain key (the trace names blocks, not tokens): the
+    ZMQ engines publish them and the router hashes them, so both agree, and equal prefixes
+    have equal tokens. Token i = splitmix64(chain key + (i + 1) * golden) mod 150 000."""
+    import numpy as np
+
+    with np.errstate(over="ignore"):
+        x = np.uint64(chain_key & _M) + np.arange(1, n + 1, dtype=np.uint64) * np.uint64(
+            0x9E3779B97F4A7C15
+        )
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    out: list[int] = (x % np.uint64(150_000)).tolist()
+    return out
+
+
 def _request(rid: int, line: _Line, block_tokens: int) -> Request:
     full = min(line.input_length // block_tokens, len(line.hash_ids))  # a partial last block
     return Request(

@@ -23,7 +23,7 @@
 /* Raised with every change to a signature or behaviour here; compiled.py uses the module only
  * if it equals its own ACCEL_ABI, so a stale in-place build is never called with the wrong
  * arguments (it falls back to the numpy / Python forms instead). */
-#define ACCEL_ABI 9
+#define ACCEL_ABI 10
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 /* Must equal sidecar/shm_ring/layout.py's KIND_STORED / KIND_REMOVED (a test compares). */
 #define KIND_STORED 1
@@ -722,12 +722,103 @@ static PyObject *words(PyObject *self, PyObject *list) {
     return arr;
 }
 
+/* rolling(tokens, block_size, h, pending, out) -> (h, pending, keys written): KVCM's rolling
+ * hash (engine_hook/rolling_hash.py is the reference) over int64 tokens, continuing from state
+ * h with `pending` tokens since the last block boundary; out[k] = h (signed) after every token
+ * that completes a block. out must hold (pending + len(tokens)) / block_size items. */
+static PyObject *rolling(PyObject *self, PyObject *args) {
+    PyObject *o_tok, *o_out;
+    Py_ssize_t bs, pending;
+    long long h0;
+    if (!PyArg_ParseTuple(args, "OnLnO", &o_tok, &bs, &h0, &pending, &o_out)) return NULL;
+    if (bs <= 0 || pending < 0 || pending >= bs) {
+        PyErr_SetString(PyExc_ValueError, "rolling: need block_size > 0, 0 <= pending < it");
+        return NULL;
+    }
+    Py_buffer vt, vo;
+    if (get(o_tok, &vt, 8, 0, "tokens") < 0) return NULL;
+    if (get(o_out, &vo, 8, 1, "out") < 0) {
+        PyBuffer_Release(&vt);
+        return NULL;
+    }
+    Py_ssize_t nt = vt.len / 8, room = vo.len / 8;
+    if ((pending + nt) / bs > room) {
+        PyBuffer_Release(&vt);
+        PyBuffer_Release(&vo);
+        PyErr_SetString(PyExc_ValueError, "rolling: out is too short");
+        return NULL;
+    }
+    const uint64_t *t = (const uint64_t *)vt.buf;
+    int64_t *out = (int64_t *)vo.buf;
+    uint64_t h = (uint64_t)h0;
+    Py_ssize_t k = 0, p = pending;
+    for (Py_ssize_t i = 0; i < nt; i++) {
+        /* arithmetic shift of the signed view; sums mod 2^64 */
+        uint64_t sh = (uint64_t)((int64_t)h >> 32);
+        h ^= t[i] + GOLDEN + (h << 12) + sh;
+        if (++p == bs) {
+            out[k++] = (int64_t)h;
+            p = 0;
+        }
+    }
+    PyBuffer_Release(&vt);
+    PyBuffer_Release(&vo);
+    return Py_BuildValue("Lnn", (long long)(int64_t)h, p, k);
+}
+
+/* roll_list(tokens: list[int], block_size, h, pending) -> (h, pending, [keys]): rolling() for a
+ * list of ints as msgspec decodes it (no array on the way); a token must fit in 64 bits. */
+static PyObject *roll_list(PyObject *self, PyObject *args) {
+    PyObject *o_tok;
+    Py_ssize_t bs, pending;
+    long long h0;
+    if (!PyArg_ParseTuple(args, "O!nLn", &PyList_Type, &o_tok, &bs, &h0, &pending)) return NULL;
+    if (bs <= 0 || pending < 0 || pending >= bs) {
+        PyErr_SetString(PyExc_ValueError, "roll_list: need block_size > 0, 0 <= pending < it");
+        return NULL;
+    }
+    Py_ssize_t nt = PyList_GET_SIZE(o_tok);
+    PyObject *keys = PyList_New((pending + nt) / bs);
+    if (keys == NULL) return NULL;
+    uint64_t h = (uint64_t)h0;
+    Py_ssize_t k = 0, p = pending;
+    for (Py_ssize_t i = 0; i < nt; i++) {
+        PyObject *o = PyList_GET_ITEM(o_tok, i);
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+        uint64_t t = (uint64_t)v;
+        if (overflow > 0) { /* >= 2^63: the low 64 bits */
+            t = (uint64_t)PyLong_AsUnsignedLongLongMask(o);
+        } else if (overflow < 0 || (v == -1 && PyErr_Occurred())) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_OverflowError, "roll_list: a token below -2^63");
+            Py_DECREF(keys);
+            return NULL;
+        }
+        uint64_t sh = (uint64_t)((int64_t)h >> 32);
+        h ^= t + GOLDEN + (h << 12) + sh;
+        if (++p == bs) {
+            PyObject *key = PyLong_FromLongLong((long long)(int64_t)h);
+            if (key == NULL) {
+                Py_DECREF(keys);
+                return NULL;
+            }
+            PyList_SET_ITEM(keys, k++, key);
+            p = 0;
+        }
+    }
+    PyObject *out = Py_BuildValue("LnN", (long long)(int64_t)h, p, keys);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"words", words, METH_O, "words(keys: list) -> array('Q') of KVCM's signed bit pattern"},
     {"put_runs", (PyCFunction)(void (*)(void))put_runs, METH_FASTCALL,
      "put_runs(runs, words, hdr, start, room, seq, attempted, tail) -> records"},
     {"find", find, METH_VARARGS, "find(ukeys, tkeys, tpos, dense, out, n, insert) -> new n, or -1 - n if full"},
     {"apply", apply, METH_VARARGS, "apply(pos, metas, masks): group bits set/cleared in order"},
+    {"rolling", rolling, METH_VARARGS, "rolling(tokens, block_size, h, pending, out) -> (h, pending, keys)"},
+    {"roll_list", roll_list, METH_VARARGS, "roll_list(tokens, block_size, h, pending) -> (h, pending, [keys])"},
     {NULL, NULL, 0, NULL},
 };
 

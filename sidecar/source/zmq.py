@@ -29,6 +29,8 @@ from sidecar.source import checkpoint as ckpt
 from sidecar.source.base import Identity, Watch, WatchResult
 from sidecar.source.block_counts import BlockCounts
 from sidecar.source.health import probe
+from sidecar.source.key_check import KeyCheck
+from sidecar.source.rekey import Rekey, fingerprint, load_table, save_table
 from sidecar.source.zmq_events import (
     ERR_EVENT,
     Blocks,
@@ -161,6 +163,8 @@ class Stream:
         self.restarts = 0
         self.changed = False  # the key state may have changed since the owner last looked
         self.pristine = True  # nothing applied or loaded yet (a forget would lose nothing)
+        self.key_check: KeyCheck | None = None  # samples stores: can a router recompute keys?
+        self.rekey: Rekey | None = None  # key modes rolling / both (None: engine keys)
 
     # ---- entry points ------------------------------------------------------------------------
     def start(self, checkpoint: ckpt.Checkpoint | None, loaded: bool) -> None:
@@ -481,13 +485,19 @@ class Stream:
         if not self._pend:
             return
         pend, self._pend = self._pend, []
+        kc = self.key_check
+        if kc is not None:  # one step per flush; now and then the last batch is checked
+            kc.credit -= len(pend)
+            if kc.credit <= 0:
+                kc.sample_flush([p.origin[1] for p in pend if p.origin is not None])
         f = to_blocks(pend)
+        evs = [e for p in pend for e in p.events] if self.rekey is not None else None
         if f.bad:
             self.decode_errors[ERR_EVENT] += len(f.bad)
             i, start = self._batch_of(pend, f.bad[0])
             o = pend[i].origin
             if repair and o is not None and self._repairable(o):
-                self._fold(f, 0, start)
+                self._fold(f, 0, start, evs)
                 seq, _payload, _replayed, *prev = o
                 # This batch and the live ones after it were counted applied, and the replay
                 # brings them again (counted replayed): they were not applied, after all.
@@ -501,18 +511,20 @@ class Stream:
                 self._ask(self.last_seq, self._last_digest(), "malformed")
                 return
             self.forget(F_MALFORMED, "an event's block_hashes are unreadable")
-            self._fold(f, f.bad[-1] + 1, len(f.codes))
+            self._fold(f, f.bad[-1] + 1, len(f.codes), evs)
             return
-        self._fold(f, 0, len(f.codes))
+        self._fold(f, 0, len(f.codes), evs)
 
-    def _fold(self, f: Folded, first: int, end: int) -> None:
-        """Events [first, end) of `f` into the counts."""
+    def _fold(self, f: Folded, first: int, end: int, evs: list[Any] | None = None) -> None:
+        """Events [first, end) of `f` into the counts (re-keyed first in rolling / both)."""
         self.events += f.events(first, end)
         b = f.blocks
         lo, hi = f.block(first), f.block(end)
-        if lo or hi < len(b.keys):
+        self.blocks += hi - lo
+        if self.rekey is not None and evs is not None:
+            b = self.rekey.apply(f, first, end, evs)
+        elif lo or hi < len(b.keys):
             b = Blocks(b.keys[lo:hi], b.mediums[lo:hi], b.groups[lo:hi], b.signs[lo:hi])
-        self.blocks += len(b.keys)
         self.counts.apply(b.keys, b.mediums, b.groups, b.signs)
         self.changed = True
 
@@ -545,6 +557,8 @@ class Stream:
             return  # already tells KVCM exactly what we hold: nothing)
         self._pend = []
         self.counts.clear()
+        if self.rekey is not None:
+            self.rekey.forget()
         self.forgets[reason] += 1
         self.forget_pending = True
         self.changed = True
@@ -595,6 +609,12 @@ class Stream:
         went by; KVCM hears of the forget at once, as the empty state is true meanwhile)."""
         self.restarts += 1
         self._replayed.clear()
+        if self.key_check is not None:
+            # A seeded, deterministic scheme proven (now, or by the life the table was saved in)
+            proven = bool(self.key_check.reproducing()) or bool(self.rekey and self.rekey.proven)
+            self.key_check.reset()
+            if self.rekey is not None and not proven:
+                self.rekey.clear()  # the new life's hashes may mean other tokens
         self.basis = None  # another life: nothing of the old one to rebuild
         self.forget(reason, detail)
         self.incarnation = secrets.randbits(63) | 1
@@ -743,7 +763,7 @@ class ZmqSource:
         keys.set_required(self.required)
         self.counts = BlockCounts(keys)
         self.stream = Stream(
-            EventDecoder(index, z.block_size, cfg.identity.dp_rank),
+            EventDecoder(index, z.block_size, cfg.identity.dp_rank, full=z.key_mode != "engine"),
             self.counts,
             dp_rank=cfg.identity.dp_rank,
             can_replay=bool(z.replay_endpoint),
@@ -757,6 +777,20 @@ class ZmqSource:
         self.ckpt_path = ckpt.path_for(
             cfg.source.state_dir, cfg.identity.instance_id, cfg.identity.dp_rank, z.endpoint
         )
+        self.key_check = self.stream.key_check = KeyCheck(
+            z.block_size, z.router_hash_seed, warn=z.key_mode == "engine"
+        )
+        self.rekey: Rekey | None = None
+        if z.key_mode != "engine":
+            self.rekey = self.stream.rekey = Rekey(
+                z.block_size,
+                z.kvcm_block_tokens,
+                both=z.key_mode == "both",
+                capacity=z.key_table_entries,
+                sglang=z.engine == "sglang",
+            )
+        self.table_path = self.ckpt_path + ".keys"
+        self.table_fp = fingerprint(z.engine, z.block_size, z.kvcm_block_tokens, self.required)
         self.ckpt_at = 0.0  # clock() of the last checkpoint written (0: none yet)
         self.ckpt_seq = -2
         self.ckpt_errors: Counter[str] = Counter()
@@ -825,7 +859,7 @@ class ZmqSource:
             tp_size=z.tp_size,
             dp_size=z.dp_size,
             pp_size=1,
-            block_size_tokens=z.block_size,
+            block_size_tokens=z.kvcm_block_tokens,
             block_bytes=z.block_bytes,
             required_groups=self.required,
             mediums=self.mediums,
@@ -879,6 +913,9 @@ class ZmqSource:
             "zmq_recovery": self.recovery_status(),
             "checkpoint_age_s": round(self.checkpoint_age_s(), 3),
             "health_failures": self.health_failures,
+            "key_mode": self.z.key_mode,
+            "key_check": self.key_check.status(),
+            **({"rekey": self.rekey.status()} if self.rekey is not None else {}),
         }
 
     # ---- loops -------------------------------------------------------------------------------
@@ -919,6 +956,17 @@ class ZmqSource:
             else:
                 self.ckpt_errors["unknown_medium"] += 1
         log.info("zmq checkpoint loaded last_seq=%d held=%d", c.last_seq, self.counts.held())
+        if self.rekey is not None:
+            got = load_table(self.table_path, self.table_fp, self.rekey)
+            if got is None:
+                # Counts under rolling keys without the table that made them: a removal
+                # could not find its keys. Start from nothing (the replay rebuilds).
+                self.ckpt_errors["key_table"] += 1
+                log.warning("zmq checkpoint ignored: no key table for it path=%s", self.table_path)
+                self.counts.clear()
+                return None
+            self.rekey.proven = got
+            log.info("zmq key table loaded entries=%d", self.rekey.table.n)
         return c
 
     def write_checkpoint(self) -> None:
@@ -933,6 +981,10 @@ class ZmqSource:
         c.tables = [(names[m], g, k, n) for m, g, k, n in arrays if m < len(names)]
         i = self.cfg.identity
         try:
+            if self.rekey is not None:  # first: a checkpoint is loaded only with its table
+                proven = self.key_check.reproducing()
+                scheme = proven[0] if proven else self.rekey.proven
+                save_table(self.table_path, self.table_fp, scheme, self.rekey)
             ckpt.save(self.ckpt_path, i.instance_id, i.dp_rank, self.z.endpoint, c)
         except OSError as exc:
             self.ckpt_errors["write"] += 1

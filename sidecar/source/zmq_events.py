@@ -30,8 +30,9 @@ DROP_BLOCK_SIZE = "block_size"
 DROP_MEDIUM = "unknown_medium"
 
 
-def _structs(positional: bool) -> tuple[Any, Any, Any]:
-    """(BlockStored, BlockRemoved, AllBlocksCleared) for one encoding."""
+def _structs(positional: bool, full: bool = False) -> tuple[Any, Any, Any]:
+    """(BlockStored, BlockRemoved, AllBlocksCleared) for one encoding; `full`: BlockStored
+    keeps what re-keying reads (tokens, parent, LoRA, extra keys, the group's kind) as Raw."""
     raw = msgspec.Raw  # decoded lazily, never materialised (token_ids is the bulk of a batch)
     opts: dict[str, Any] = {"tag": True, "array_like": positional, "gc": False}
     if not positional:
@@ -47,6 +48,21 @@ def _structs(positional: bool) -> tuple[Any, Any, Any]:
             ("lora_name", raw, msgspec.field(default_factory=raw)),
             ("extra_keys", raw, msgspec.field(default_factory=raw)),
             ("group_idx", int | None, None),
+        ]
+        if full:
+            stored_fields.append(("kv_cache_spec_kind", str | None, None))
+    elif full:  # by name, with what re-keying reads
+        stored_fields = [
+            ("block_hashes", raw),
+            ("parent_block_hash", raw, msgspec.field(default_factory=raw)),
+            ("token_ids", raw, msgspec.field(default_factory=raw)),
+            ("block_size", int | None, None),
+            ("lora_id", raw, msgspec.field(default_factory=raw)),
+            ("medium", str | None, None),
+            ("lora_name", raw, msgspec.field(default_factory=raw)),
+            ("extra_keys", raw, msgspec.field(default_factory=raw)),
+            ("group_idx", int | None, None),
+            ("kv_cache_spec_kind", str | None, None),
         ]
     else:  # by name: undeclared fields (token_ids, parent_block_hash, ...) are skipped
         stored_fields = [
@@ -83,17 +99,18 @@ def _batch_decoder(events_t: Any) -> msgspec.msgpack.Decoder[Any]:
 class _Variant:
     """One typed decoding (an encoding: maps or positional) -> batch and single-event decoders."""
 
-    def __init__(self, positional: bool) -> None:
-        s, r, c = _structs(positional)
+    def __init__(self, positional: bool, full: bool = False) -> None:
+        s, r, c = _structs(positional, full)
         self.stored, self.removed, self.cleared = s, r, c
         self.batch = _batch_decoder(list[s | r | c])  # type: ignore[valid-type]
         self.event = msgspec.msgpack.Decoder(s | r | c)
 
 
 _VARIANTS = [_Variant(False), _Variant(True)]
+_FULL_VARIANTS = [_Variant(False, True), _Variant(True, True)]  # key modes rolling / both
 _TAG: dict[type, str] = {
     cls: name
-    for v in _VARIANTS
+    for v in _VARIANTS + _FULL_VARIANTS
     for cls, name in ((v.stored, STORED), (v.removed, REMOVED), (v.cleared, CLEARED))
 }
 _RAW_BATCH = _batch_decoder(list[msgspec.Raw])
@@ -119,12 +136,13 @@ class Segment:
     as they came (msgpack, read at the flush) and its code (medium index << 8 | group << 1 |
     stored)."""
 
-    __slots__ = ("codes", "hashes", "origin")
+    __slots__ = ("codes", "events", "hashes", "origin")
 
     def __init__(self) -> None:  # plain slots: built once per batch, on the hot path
         self.hashes: list[Any] = []  # msgspec.Raw: one msgpack array per event
         self.codes: list[int] = []
         self.origin: Any = None  # the owner's note of the batch it came from
+        self.events: list[Any] = []  # key modes rolling / both: the event structs
 
 
 class Decoded:
@@ -188,7 +206,11 @@ class EventDecoder:
     """Payload bytes -> Decoded, for one replica's medium map and expected block size."""
 
     def __init__(
-        self, medium_index: Mapping[str, int], block_size: int, dp_rank: int | None = None
+        self,
+        medium_index: Mapping[str, int],
+        block_size: int,
+        dp_rank: int | None = None,
+        full: bool = False,
     ) -> None:
         self.medium_index = dict(medium_index)  # engine medium name -> medium table index
         self.default_medium = "GPU"  # what an absent medium means (vLLM and SGLang)
@@ -199,6 +221,8 @@ class EventDecoder:
         self.cleared = 0
         self.drops: dict[str, int] = {}
         self.dropped_recently = False  # the owner logs drops (once per interval) and clears
+        self.full = full  # keep each event (re-keying reads its tokens at the flush)
+        self._variants = _FULL_VARIANTS if full else _VARIANTS
         self._order = list(range(len(_VARIANTS)))  # the variant that worked last goes first
         self._codes: dict[tuple[type, Any, Any, Any], int] = {}  # see _code()
 
@@ -212,13 +236,15 @@ class EventDecoder:
 
     def _decode(self, payload: bytes) -> Decoded:
         for n, i in enumerate(self._order):
-            v = _VARIANTS[i]
+            v = self._variants[i]
             try:
                 batch = v.batch.decode(payload)
             except msgspec.ValidationError:
                 continue
             if n:
                 self._order.insert(0, self._order.pop(n))
+            if self.full:
+                return self._fold_full(batch.dp_rank, batch.events)
             return self._fold(batch.dp_rank, batch.events)
         # No typed decoding reads the whole batch: decode event by event.
         raw = _RAW_BATCH.decode(payload)  # raises DecodeError / ValidationError: not a batch
@@ -232,14 +258,14 @@ class EventDecoder:
                 unknown += 1
                 continue
             events.append(ev)
-        out = self._fold(raw.dp_rank, events)
+        out = (self._fold_full if self.full else self._fold)(raw.dp_rank, events)
         for _ in range(unknown):
             self._drop(DROP_UNKNOWN_EVENT)
         return out
 
     def _one(self, item: msgspec.Raw) -> Any:
         """One event: a typed struct, _UNKNOWN (a type we do not know), or None (malformed)."""
-        for v in _VARIANTS:
+        for v in self._variants:
             try:
                 return v.event.decode(item)
             except msgspec.ValidationError:
@@ -282,6 +308,34 @@ class EventDecoder:
             else:
                 self._drop(_DROPPED[code])
         if codes:
+            out.parts.append(seg)
+        return out
+
+    def _fold_full(self, dp_rank: int | None, events: list[Any]) -> Decoded:
+        """_fold, keeping each block event's struct beside its hashes (re-keying reads them)."""
+        out = Decoded(True, dp_rank)
+        if dp_rank is not None and self.dp_rank is not None and dp_rank != self.dp_rank:
+            return out
+        seg = Segment()
+        known = self._codes
+        for ev in events:
+            what = (type(ev), ev.medium, ev.group_idx, ev.block_size)
+            code = known.get(what)
+            if code is None:
+                code = self._code(what)
+            if code >= 0:
+                seg.hashes.append(ev.block_hashes)
+                seg.codes.append(code)
+                seg.events.append(ev)
+            elif code == _CLEAR:
+                if seg.codes:
+                    out.parts.append(seg)
+                    seg = Segment()
+                out.parts.append(CLEARED)
+                self.cleared += 1
+            else:
+                self._drop(_DROPPED[code])
+        if seg.codes:
             out.parts.append(seg)
         return out
 

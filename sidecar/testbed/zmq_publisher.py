@@ -23,14 +23,20 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
+if TYPE_CHECKING:
+    from sidecar.testbed.engine_hash import EngineHasher
+
 log = logging.getLogger(__name__)
 
 FLAVOURS = ("vllm", "sglang")
+# How blocks are hashed (sidecar/testbed/engine_hash.py, imported only when one is asked for:
+# this file runs as a script with stdlib, msgspec and pyzmq).
+ENGINE_HASHES = ("random", "vllm_default", "sha256_cbor_seed0", "random_seed")
 HASH_KINDS = ("int", "bytes")
 ENCODINGS = ("map", "positional", "positional_v0")
 MEDIUMS: dict[str, tuple[str, ...]] = {
@@ -99,12 +105,16 @@ class PublisherConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_queue_size: int = 100_000
     replay_topic: bool | None = None
     health: bool = False
+    # random: hashes unrelated to tokens (the default); else hashed from the tokens as the
+    # engine does (sidecar/testbed/engine_hash.py): vllm_default, sha256_cbor_seed0, random_seed
+    engine_hash: str = "random"
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
             ("flavour", self.flavour, FLAVOURS),
             ("hash_kind", self.hash_kind, HASH_KINDS),
             ("encoding", self.encoding, ENCODINGS),
+            ("engine_hash", self.engine_hash, ENGINE_HASHES),
         ):
             if value not in allowed:
                 raise ValueError(f"{name}: {value!r} is not one of {', '.join(allowed)}")
@@ -268,6 +278,7 @@ class Publisher:
     def __init__(self, cfg: PublisherConfig) -> None:
         self.cfg = cfg
         self._schema = _Schema(cfg.flavour, cfg.encoding)
+        self.hasher = self._hasher()
         self._topic = cfg.topic.encode()
         self._replay_topic = cfg.flavour == "vllm" if cfg.replay_topic is None else cfg.replay_topic
         self._ctx = zmq.Context()
@@ -342,6 +353,13 @@ class Publisher:
         self._thread.start()
 
     # --- engine side ------------------------------------------------------------------------
+    def _hasher(self) -> EngineHasher | None:
+        c = self.cfg
+        if c.engine_hash == "random":
+            return None
+        from sidecar.testbed.engine_hash import EngineHasher
+
+        return EngineHasher(c.engine_hash, flavour=c.flavour, hash_kind=c.hash_kind)
 
     def normalize_hash(self, h: Any) -> int | bytes:
         """A block hash of this publisher's kind (bytes also from hex, or an int as 32 bytes)."""
@@ -385,10 +403,15 @@ class Publisher:
         lora_id: int | None = None,
         extra: dict[str, Any] | None = None,
     ) -> list[int]:
-        """Add a BlockStored to the current step; returns the keys (codec applied)."""
-        hs = self._event_hashes(hashes, "BlockStored", medium, group)
-        p = None if parent is None else self.normalize_hash(parent)
+        """Add a BlockStored to the current step; returns the keys (codec applied). With an
+        engine hash and no hashes given, the blocks are hashed from `token_ids` after `parent`."""
         bs = self.cfg.block_size if block_size is None else block_size
+        hashes = list(hashes)
+        p = None if parent is None else self.normalize_hash(parent)
+        if not hashes and self.hasher is not None and token_ids:
+            extra_keys = (extra or {}).get("extra_keys")
+            hashes = self.hasher.hashes(token_ids, bs, p, extra_keys)
+        hs = self._event_hashes(hashes, "BlockStored", medium, group)
         if token_ids is None:
             token_ids = _TOKENS[: len(hs) * bs]
         ev = self._schema.stored(hs, p, token_ids, bs, lora_id, medium, group)
@@ -518,6 +541,7 @@ class Publisher:
             self._counts.clear()
             self._next_seq = 0
             self.life += 1
+            self.hasher = self._hasher()  # a new process (random_seed: a new seed)
             self.truth_valid = True
             self._queue.put(_Ctl("restart"))
 
@@ -770,6 +794,8 @@ class Publisher:
             self._check_place("GPU", g)
 
     def _generate(self, w: Workload, stop: threading.Event) -> dict[str, Any]:
+        if self.hasher is not None:
+            return self._generate_hashed(w, stop, self.hasher)
         rng = random.Random(w.seed)
         meds = list(w.mediums or MEDIUMS[self.cfg.flavour][:2])
         places = [(m, g) for m in meds for g in w.groups]
@@ -809,6 +835,76 @@ class Publisher:
                     n_held += len(hs)
                     parent = lst[-len(hs) - 1] if len(lst) > len(hs) else None
                     ev = schema.stored(hs, parent, tokens[: len(hs) * bs], bs, None, m, g)
+                    op = "s"
+                delta = (op, m, g, [key_of(h) for h in hs]) if w.truth else None
+                with self._lock:
+                    self._pending.append(ev)
+                    self._pending_truth.append(delta)
+                    self.block_events_queued += len(hs)
+                done += len(hs)
+            self.step()
+            steps += 1
+            if w.rate > 0:
+                ahead = done / w.rate - (time.monotonic() - t0)
+                if ahead > 0:
+                    stop.wait(ahead)
+        return {
+            "block_events": done,
+            "steps": steps,
+            "elapsed_s": time.monotonic() - t0,
+            "engine_thread_cpu_s": time.thread_time() - cpu0,
+            "held": n_held,
+        }
+
+    def _generate_hashed(
+        self, w: Workload, stop: threading.Event, hasher: EngineHasher
+    ) -> dict[str, Any]:
+        """_generate with blocks hashed from their tokens: a store starts a chain or continues
+        one from a held block (its parent), with fresh tokens; a duplicate re-stores a held
+        block with its parent and tokens; a remove takes held blocks."""
+        rng = random.Random(w.seed)
+        meds = list(w.mediums or MEDIUMS[self.cfg.flavour][:2])
+        places = [(m, g) for m in meds for g in w.groups]
+        held: dict[tuple[str, int], list[int | bytes]] = {p: [] for p in places}
+        made: dict[int | bytes, tuple[int | bytes | None, list[int]]] = {}  # hash -> its store
+        n_held = 0
+        schema, bs, n_blocks = self._schema, self.cfg.block_size, w.blocks_per_event
+        done = steps = 0
+        t0 = time.monotonic()
+        cpu0 = time.thread_time()
+        while (w.events == 0 or done < w.events) and not stop.is_set():
+            for _ in range(w.batch_events):
+                m, g = places[rng.randrange(len(places))]
+                lst = held[(m, g)]
+                parent: int | bytes | None
+                if lst and (n_held >= w.max_held or rng.random() < w.remove_prob):
+                    hs: list[int | bytes] = []
+                    for _ in range(min(n_blocks, len(lst))):
+                        i = rng.randrange(len(lst))
+                        lst[i], lst[-1] = lst[-1], lst[i]
+                        hs.append(lst.pop())
+                    n_held -= len(hs)
+                    ev = schema.removed(hs, m, g)
+                    op = "r"
+                elif lst and rng.random() < w.dup_prob:
+                    h = lst[rng.randrange(len(lst))]
+                    parent, toks = made[h]
+                    hs = [h]
+                    lst.append(h)
+                    n_held += 1
+                    ev = schema.stored(hs, parent, toks, bs, None, m, g)
+                    op = "s"
+                else:
+                    parent = lst[rng.randrange(len(lst))] if lst and rng.random() < 0.7 else None
+                    toks = [rng.randrange(32000) for _ in range(n_blocks * bs)]
+                    hs = hasher.hashes(toks, bs, parent)
+                    prev = parent
+                    for j, h in enumerate(hs):
+                        made[h] = (prev, toks[j * bs : (j + 1) * bs])
+                        prev = h
+                    lst.extend(hs)
+                    n_held += len(hs)
+                    ev = schema.stored(hs, parent, toks, bs, None, m, g)
                     op = "s"
                 delta = (op, m, g, [key_of(h) for h in hs]) if w.truth else None
                 with self._lock:
@@ -920,6 +1016,15 @@ class _Server:
         hs: list[Any] = list(hashes or [])
         if n:
             hs += self.pub.new_hashes(n, self._rng)
+        pub = self.pub
+        if not hs and pub.hasher is not None and kw.get("token_ids"):  # hashed from the tokens
+            p = kw.get("parent")
+            hs = pub.hasher.hashes(
+                kw["token_ids"],
+                kw.get("block_size") or pub.cfg.block_size,
+                None if p is None else pub.normalize_hash(p),
+                (kw.get("extra") or {}).get("extra_keys"),
+            )
         norm = [self.pub.normalize_hash(h) for h in hs]
         keys = self.pub.store(norm, **kw)
         return {"hashes": [_hash_json(h) for h in norm], "keys": keys, **self._maybe_step(step)}
@@ -1093,6 +1198,7 @@ def _parse(argv: Sequence[str] | None) -> PublisherConfig:
     ap.add_argument("--max-queue-size", type=int, default=100_000)
     ap.add_argument("--replay-topic", default="auto", choices=("auto", "yes", "no"))
     ap.add_argument("--health", action="store_true")
+    ap.add_argument("--engine-hash", default="random", choices=ENGINE_HASHES)
     a = ap.parse_args(argv)
     try:
         dp = None if a.dp_rank == "none" else int(a.dp_rank)
@@ -1113,6 +1219,7 @@ def _parse(argv: Sequence[str] | None) -> PublisherConfig:
         max_queue_size=a.max_queue_size,
         replay_topic={"auto": None, "yes": True, "no": False}[a.replay_topic],
         health=a.health,
+        engine_hash=a.engine_hash,
     )
 
 

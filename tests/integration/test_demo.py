@@ -59,6 +59,8 @@ def test_demo_source_zmq_converges_after_a_gap_and_a_sidecar_restart() -> None:
     assert [(r[0], r[1]) for r in rows] == [("0", "int"), ("1", "bytes")], out.stdout[-3000:]
     for _rank, _kind, truth, kvcm, hbm, mem in rows:
         assert truth == kvcm and int(hbm) > 0 and int(mem) > 0  # two mediums on each rank
+    # rank 0 hashes as FlexLB expects (sha256_cbor, seed 0), rank 1 as vLLM does by default
+    assert re.findall(r"vllm_sha256_cbor=(\S+) +yes$", out.stdout, re.M) == ["1", "0"]
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")

@@ -124,3 +124,32 @@ def test_replay_bad_trace_line_exits_2_naming_it_before_starting(
 def test_replay_bad_option_exits_2_before_starting(tmp_path: Path) -> None:
     out = cli("--trace", str(write(tmp_path, GOOD)), "--policies", "kvcm,fastest")
     assert out.returncode == 2 and "--policies" in out.stderr and out.stdout == ""
+
+
+def test_replay_source_zmq_rows_per_key_mode_and_engine_hash(tmp_path: Path) -> None:
+    """`--source zmq`: vLLM-format engines hashing from tokens with a seed each; one row per
+    (key mode, engine hash). Rolling keys route whatever the seed; engine keys a router cannot
+    recompute (the key check says 0) route no better than load. (sha256_cbor_seed0's key check
+    of 1: the zmq demo's test.)"""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(x) + "\n" for x in generate(CONVERSATIONS, 1, 16)))
+    out = cli(
+        "--source", "zmq", "--trace", str(trace), "--block-tokens", "16", "--ranks", "2",
+        "--capacity-blocks", "400", "--speed", "5", "--requests", "120", "--policies",
+        "round_robin,kvcm", "--key-mode", "rolling,engine", "--engine-hash", "random_seed",
+        "--json", str(tmp_path / "z.json"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {
+        (d["key_mode"], d["engine_hash"]): d
+        for d in json.loads((tmp_path / "z.json").read_text())["rows"]
+    }
+    assert len(rows) == 2 and "key mode" in out.stdout
+    for (mode, eh), d in rows.items():
+        assert all(c["kvcm_view_matches_engines"] for c in d["checks"].values()), (mode, eh)
+        assert all(c["served_exactly_once"] for c in d["checks"].values()), (mode, eh)
+        assert d["key_check_vllm_sha256_cbor"] == [0, 0]  # a seed per engine: FlexLB cannot
+    hit = {k: d["policies"]["kvcm"]["hit_rate"] for k, d in rows.items()}
+    rr = rows[("rolling", "random_seed")]["policies"]["round_robin"]["hit_rate"]
+    assert hit[("rolling", "random_seed")] >= 1.1 * rr  # rolling keys route whatever the seed
+    assert hit[("engine", "random_seed")] < hit[("rolling", "random_seed")]
