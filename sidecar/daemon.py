@@ -31,7 +31,7 @@ from sidecar.publisher import Publisher, State
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.reader import ReaderConflict, RingReader
 from sidecar.shm_ring.segment import Segment
-from sidecar.source.base import Source
+from sidecar.source.base import WINDOW_EARLY_S, Source
 from sidecar.source.ring import RingSource
 
 log = logging.getLogger(__name__)
@@ -193,7 +193,7 @@ class Daemon:
                 # dirty (not from when the last request ended). Every drained ring read sets
                 # `work`.
                 wait = p.keys.dirty_since + window - self.clock()
-                if wait <= 0:
+                if wait <= WINDOW_EARLY_S:  # a source's coalesced read just before the end
                     break
                 self.work.clear()
                 with contextlib.suppress(TimeoutError):

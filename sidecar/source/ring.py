@@ -25,7 +25,14 @@ from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.doorbell import Listener
 from sidecar.shm_ring.reader import RingReader
 from sidecar.shm_ring.segment import pid_alive, pid_namespace
-from sidecar.source.base import Identity, Sleep, SourceRejected, Watch, WatchResult
+from sidecar.source.base import (
+    Identity,
+    Sleep,
+    SourceRejected,
+    Watch,
+    WatchResult,
+    coalesce_until,
+)
 from sidecar.source.engine_sync import EngineSync, Sync
 
 log = logging.getLogger(__name__)
@@ -208,6 +215,9 @@ class RingSource:
         idle = max(self.cfg.ring.idle_poll_interval_s, busy)
         bell_after = max(self.cfg.ring.bell_after_s, busy)
         full_every = self.cfg.engine.watch_interval_s
+        window = self.cfg.report.flush_window_s
+        send_at = min(self.cfg.report.flush_at_keys, self.cfg.report.batch_max_keys)
+        room = self.reader.capacity // 4  # records a coalesced wait leaves the engine
         last_full = 0.0
         delay = busy
         last_poll = self.clock()
@@ -222,10 +232,19 @@ class RingSource:
                 # These records reached the ring after the previous poll: start the flush
                 # window there, so it bounds the time a change waits in ring + sidecar.
                 sync.keys.dirty_since = last_poll
-            last_poll = now
+            since, last_poll = last_poll, now
             if r.records or r.resynced:
                 work.set()
             delay = busy if r.records else min(delay * 2, idle)
+            until = coalesce_until(sync.keys, window, now) if r.records else 0.0
+            if until and not self.reader.lag():
+                # Changes wait for the flush window: read again just before it ends (or when
+                # flush_at_keys or a quarter of the ring would fill at the rate just seen), not
+                # at every engine step, and without the doorbell (the engine posts nothing).
+                rate = r.records / max(now - since, busy)
+                fill = min(max(send_at - len(sync.keys.dirty), 0), room) / rate
+                await self.sleep(max(min(until - now, fill), busy))
+                continue
             if delay <= bell_after or bell is None:
                 await self.sleep(delay)
                 continue
