@@ -36,6 +36,7 @@ from sidecar.source.base import (
 from sidecar.source.engine_sync import EngineSync, Sync
 
 log = logging.getLogger(__name__)
+BELL_IDLE_POLLS = 4  # each idle wake-up of the event loop costs ~0.2-0.5 ms of CPU on a VM
 
 
 class RingSource:
@@ -186,8 +187,9 @@ class RingSource:
 
     async def run(self, work: asyncio.Event) -> None:
         # Idle polls cost two 8-byte loads; a full step (which also notices a new engine
-        # incarnation that has not written yet) runs at least every engine watch interval.
-        # The poll period doubles while the ring stays empty, up to idle_poll_interval_s, and
+        # incarnation that has not written yet) runs at the first poll after each engine watch
+        # interval. The poll period doubles while the ring stays empty, up to
+        # idle_poll_interval_s (BELL_IDLE_POLLS watch intervals once the engine has rung), and
         # drops back to poll_interval_s on the first record: each wake-up of the event loop
         # costs far more than the poll itself, so an idle sidecar must not spin; instead it
         # sleeps on the engine's doorbell (shm_ring/doorbell.py), so a quiet spell does not
@@ -235,7 +237,11 @@ class RingSource:
             since, last_poll = last_poll, now
             if r.records or r.resynced:
                 work.set()
-            delay = busy if r.records else min(delay * 2, idle)
+            # An engine that has rung the doorbell rings it again when it writes: its fallback
+            # poll can wait BELL_IDLE_POLLS engine watch intervals (the watch loop sees its
+            # death meanwhile); an engine without a bell is polled every idle, as before.
+            limit = max(idle, BELL_IDLE_POLLS * full_every) if bell and bell.rung else idle
+            delay = busy if r.records else min(delay * 2, limit)
             until = coalesce_until(sync.keys, window, now) if r.records else 0.0
             if until and not self.reader.lag():
                 # Changes wait for the flush window: read again just before it ends (or when
