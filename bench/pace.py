@@ -520,7 +520,7 @@ def main() -> None:
         return
     rates = [int(r) for r in a.rates.split(",")] if a.rates else list(RATES)
     if a.quick:
-        rates = [int(r) for r in a.rates.split(",")] if a.rates else [20_000, 320_000]
+        rates = [int(r) for r in a.rates.split(",")] if a.rates else [20_000]
         a.seconds, a.warm_seconds, a.reps, a.idle_seconds = 0.4, 0.2, 1, 1.0
     base_root = Path(a.baseline_root).resolve() if a.baseline_root else None
     sides: list[tuple[str, Path | None]] = [("", None)]

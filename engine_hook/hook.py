@@ -340,16 +340,15 @@ class Hook:
                 # with one meta grow one word array, so the flush writes one run, not one per
                 # key. Only the newest staged item grows (the flush detaches what it takes).
                 run = self._run
-                if run[1] == meta and self._staged and self._staged[-1] is run:
-                    try:
+                try:
+                    if self._staged[-1] is run and run[1] == meta:
                         run[0].append(keys)
                         return
-                    except OverflowError:  # negative or too large: staged alone, as before
-                        self._append((keys, meta))
-                        return
+                except (IndexError, OverflowError):  # nothing staged; a key the array refuses
+                    pass
                 try:
                     run = (array("Q", (keys,)), meta)
-                except OverflowError:
+                except OverflowError:  # negative or too large: staged alone, as before
                     self._append((keys, meta))
                     return
                 self._run = run

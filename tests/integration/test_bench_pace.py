@@ -1,5 +1,6 @@
-"""bench.pace stays runnable: `--quick` runs both sources at two rates, idle and the single-key
-loop once, small (~20 s). Skipped without the vLLM wheel (a benchmark dependency only)."""
+"""bench.pace stays runnable: `--quick` runs both sources at 20 k events/s, idle and the
+single-key loop once, small (~12 s). Skipped without the vLLM wheel (a benchmark dependency
+only)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def test_bench_pace_quick_run_writes_every_figure(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
-    for rate in ("20000", "320000"):
+    for rate in ("20000",):
         summary = result["rates"][rate]["summary"]
         assert summary["none_engine_ns_per_event"] > 0
         for source in ("ring", "zmq"):
