@@ -157,7 +157,9 @@ class Daemon:
         cfg = self.cfg
         timeout = aiohttp.ClientTimeout(total=None, connect=cfg.manager.request_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            client = KvcmClient(session, cfg.manager.endpoint, cfg.manager.max_response_bytes)
+            client = KvcmClient(
+                session, cfg.manager.endpoint, cfg.manager.max_response_bytes, lean_http=True
+            )
             p = Publisher(cfg, client, source, clock=self.clock, on_request=self.metrics.observe)
             p.on_reregister = self.work.set
             self.publisher = p
@@ -176,6 +178,7 @@ class Daemon:
                     pass
                 await self._shutdown(p, source)
             finally:
+                client.close()
                 await runner.cleanup()
         return 0
 

@@ -16,6 +16,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from sidecar.kvcm_client.transport import ConnectFailed, Http1
+from sidecar.kvcm_client.transport import supported as lean_supported
 from sidecar.kvcm_client.wire import Response, decode_response
 
 MAX_DEPTH = 64
@@ -152,13 +154,28 @@ def interpret(body: bytes, route: str, max_bytes: int) -> Result:
 
 
 class KvcmClient:
-    def __init__(self, session: aiohttp.ClientSession, endpoint: str, max_response_bytes: int):
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        endpoint: str,
+        max_response_bytes: int,
+        *,
+        lean_http: bool = False,
+    ):
         self.session = session
         self.base = endpoint.rstrip("/")
         self.max_response_bytes = max_response_bytes
+        # lean_http: plain http:// POSTs over transport.Http1 (the daemon's; it calls close())
+        self.lean = Http1(self.base) if lean_http and lean_supported(self.base) else None
+
+    def close(self) -> None:
+        if self.lean is not None:
+            self.lean.close()
 
     async def post(self, route: str, payload: bytes | memoryview, timeout_s: float) -> Result:
         t0 = time.perf_counter()
+        if self.lean is not None:
+            return await self._post_lean(route, payload, timeout_s, t0)
         try:
             async with asyncio.timeout(timeout_s):
                 async with self.session.post(
@@ -180,6 +197,42 @@ class KvcmClient:
                 Action.RETRY, "connect", str(exc)[:200], latency_s=time.perf_counter() - t0
             )
         except (aiohttp.ClientError, OSError) as exc:
+            return Result(
+                Action.RETRY, "transport", repr(exc)[:200], latency_s=time.perf_counter() - t0
+            )
+        if status // 100 != 2:
+            action, reason = classify_http(status)
+            return Result(
+                action,
+                reason,
+                body[:200].decode(errors="replace"),
+                latency_s=time.perf_counter() - t0,
+            )
+        result = interpret(body, route, self.max_response_bytes)
+        result.latency_s = time.perf_counter() - t0
+        return result
+
+    async def _post_lean(
+        self, route: str, payload: bytes | memoryview, timeout_s: float, t0: float
+    ) -> Result:
+        assert self.lean is not None
+        try:
+            async with asyncio.timeout(timeout_s):
+                status, body = await self.lean.post(
+                    f"/api/{route}", payload, self.max_response_bytes
+                )
+        except TimeoutError:
+            return Result(
+                Action.RETRY,
+                "timeout",
+                f"no answer in {timeout_s}s",
+                latency_s=time.perf_counter() - t0,
+            )
+        except ConnectFailed as exc:
+            return Result(
+                Action.RETRY, "connect", str(exc)[:200], latency_s=time.perf_counter() - t0
+            )
+        except OSError as exc:
             return Result(
                 Action.RETRY, "transport", repr(exc)[:200], latency_s=time.perf_counter() - t0
             )
