@@ -633,6 +633,18 @@ class Stream:
                 self.forget(F_CLEARED, f"AllBlocksCleared in batch {seq}")
 
 
+def _unwatch(sock: zmq.asyncio.Socket) -> Callable[[], None] | None:
+    """Stop the event loop watching an asyncio socket's descriptor; returns what watches it
+    again (None, and nothing changed, if this pyzmq lacks the two methods)."""
+    clear = getattr(sock, "_clear_io_state", None)
+    init = getattr(sock, "_init_io_state", None)
+    if clear is None or init is None:
+        return None
+    clear()
+    out: Callable[[], None] = init
+    return out
+
+
 def kvcm_mediums(cfg: Config) -> tuple[tuple[str, ...], dict[str, int]]:
     """(medium table, engine medium -> index): index 0 is what GPU (the default) maps to."""
     mm = medium_map(cfg.source.zmq.medium_map)
@@ -988,7 +1000,14 @@ class ZmqSource:
                 until = min(until, next_ckpt)
                 if until - now >= COALESCE_MIN_S:
                     since, blocks_before = now, s.blocks
-                    await asyncio.sleep(until - now)
+                    # pyzmq watches the SUB's descriptor for the socket's whole life: its first
+                    # batch during the wait would wake the loop for nothing. Unwatched meanwhile.
+                    watch = _unwatch(sub)
+                    try:
+                        await asyncio.sleep(until - now)
+                    finally:
+                        if watch is not None:
+                            watch()
 
     def _read_live(self, sock: zmq.Socket[bytes]) -> int:
         # pyzmq's recv_multipart asks RCVMORE after every frame (~1 us each: getsockopt goes
