@@ -5,7 +5,9 @@ has arrived, in its own process. It is a bare asyncio protocol, so the figures m
 sidecar's pipeline rather than a web framework on the other end of the socket. Prints its URL.
 
 With `--record` it also notes when each block key first arrived (one regex over each body) and
-serves (and forgets) them on `GET /debug/arrivals` in the stand-in's format: the latency
+serves (and forgets) them on `GET /debug/arrivals` in the stand-in's format (`GET
+/debug/arrival?key=K`: one key's arrival, kept; `GET /debug/stats`: requests and body bytes
+received so far, for bench.pace's requests/s and bytes per event): the latency
 benchmark then measures engine -> ring -> sidecar -> bytes at the manager, without the Python
 stand-in's own processing time (which, sharing this 2-vCPU VM with the engine simulator and
 the sidecar, saturates at 100k events/s).
@@ -34,6 +36,7 @@ def _response(body: bytes) -> bytes:
 
 OK = _response(BODY)
 ARRIVALS: dict[str, float] = {}  # bare floats: a list per key made the collector pause this
+STATS = {"requests": 0, "body_bytes": 0}
 
 
 class NullHttp(asyncio.Protocol):
@@ -64,6 +67,9 @@ class NullHttp(asyncio.Protocol):
                     if line.startswith(b"content-length:"):
                         length = int(line.split(b":", 1)[1])
                 self.body_left = length
+                if not self.request_line.startswith(b"GET "):
+                    STATS["requests"] += 1
+                    STATS["body_bytes"] += length
                 view = memoryview(rest)
             take = min(self.body_left, len(view))
             if self.record and take:
@@ -79,13 +85,22 @@ class NullHttp(asyncio.Protocol):
             body = json.dumps({k: [t] for k, t in ARRIVALS.items()}).encode()
             ARRIVALS.clear()  # one read per latency run: the next run starts afresh
             return _response(body)
+        if self.request_line.startswith(b"GET /debug/arrival?key="):
+            self._record()
+            key = self.request_line.split(b"=", 1)[1].split(b" ", 1)[0].decode()
+            return _response(json.dumps(ARRIVALS.get(key)).encode())
+        if self.request_line.startswith(b"GET /debug/stats"):
+            return _response(json.dumps(STATS).encode())
+        self._record()
+        return OK
+
+    def _record(self) -> None:
         if self.chunks:
             now = time.monotonic()
             for text in KEY.findall(b"".join(self.chunks)):
                 v = int(text)
                 ARRIVALS.setdefault(str(v - U64 if v >= 1 << 63 else v), now)
             self.chunks = []
-        return OK
 
 
 async def main() -> None:

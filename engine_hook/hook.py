@@ -259,6 +259,7 @@ class Hook:
         self._provider: SnapshotProvider | None = None
         self._staged: list[tuple[Any, int]] = []
         self._append = self._staged.append
+        self._run: tuple[Any, int] = ((), -1)  # the word array single stored() keys grow
         # The staging conversion of a list (C: one call; a bool refused, a negative key taken).
         accel = compiled.accel
         self._words: Callable[[list[Any]], array[int]] = (
@@ -335,7 +336,23 @@ class Hook:
             meta = self._stored_meta[group if medium is None else (group, medium)]
             t = type(keys)
             if t is int:
-                self._append((keys, meta))
+                # Block by block (Python engines that report each block): consecutive keys
+                # with one meta grow one word array, so the flush writes one run, not one per
+                # key. Only the newest staged item grows (the flush detaches what it takes).
+                run = self._run
+                try:
+                    if self._staged[-1] is run and run[1] == meta:
+                        run[0].append(keys)
+                        return
+                except (IndexError, OverflowError):  # nothing staged; a key the array refuses
+                    pass
+                try:
+                    run = (array("Q", (keys,)), meta)
+                except OverflowError:  # negative or too large: staged alone, as before
+                    self._append((keys, meta))
+                    return
+                self._run = run
+                self._append(run)
             elif t is list:
                 if keys:
                     try:

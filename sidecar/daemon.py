@@ -32,7 +32,7 @@ from sidecar.publisher import Publisher, State
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.reader import ReaderConflict, RingReader
 from sidecar.shm_ring.segment import Segment
-from sidecar.source.base import Source
+from sidecar.source.base import WINDOW_EARLY_S, Source
 from sidecar.source.ring import RingSource
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class Daemon:
         timeout = aiohttp.ClientTimeout(total=None, connect=cfg.manager.request_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             seeds = cfg.manager.seeds
-            client = KvcmClient(session, seeds[0], cfg.manager.max_response_bytes)
+            client = KvcmClient(session, seeds[0], cfg.manager.max_response_bytes, lean_http=True)
             disc = Discovery(
                 seeds,
                 session,
@@ -201,6 +201,7 @@ class Daemon:
                     pass
                 await self._shutdown(p, source)
             finally:
+                client.close()
                 await runner.cleanup()
         return 0
 
@@ -220,7 +221,7 @@ class Daemon:
                 # dirty (not from when the last request ended). Every drained ring read sets
                 # `work`.
                 wait = p.keys.dirty_since + window - self.clock()
-                if wait <= 0:
+                if wait <= WINDOW_EARLY_S:  # a source's coalesced read just before the end
                     break
                 self.work.clear()
                 with contextlib.suppress(TimeoutError):

@@ -16,6 +16,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from sidecar.kvcm_client.transport import ConnectFailed, Http1
+from sidecar.kvcm_client.transport import supported as lean_supported
 from sidecar.kvcm_client.wire import Response, decode_response
 
 MAX_DEPTH = 64
@@ -153,10 +155,38 @@ def interpret(body: bytes, route: str, max_bytes: int) -> Result:
 
 
 class KvcmClient:
-    def __init__(self, session: aiohttp.ClientSession, endpoint: str, max_response_bytes: int):
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        endpoint: str,
+        max_response_bytes: int,
+        *,
+        lean_http: bool = False,
+    ):
         self.session = session
         self.base = endpoint.rstrip("/")
         self.max_response_bytes = max_response_bytes
+        # lean_http: plain http:// POSTs over transport.Http1 (the daemon's; it calls close()),
+        # one per base URL: Discovery moves `base` to a new leader, and the connections to the
+        # old one must not carry another request
+        self.lean_http = lean_http
+        self._lean: dict[str, Http1] = {}
+
+    def _lean_for(self, base: str) -> Http1 | None:
+        if not self.lean_http or not lean_supported(base):
+            return None
+        h = self._lean.get(base)
+        if h is None:
+            for old in self._lean.values():
+                old.close()  # the leader moved; a request still on them fails (ambiguous)
+            h = Http1(base)
+            self._lean = {base: h}
+        return h
+
+    def close(self) -> None:
+        for h in self._lean.values():
+            h.close()
+        self._lean = {}
 
     async def post(self, route: str, payload: bytes | memoryview, timeout_s: float) -> Result:
         base = self.base  # Discovery may move `base` while this is in flight
@@ -168,6 +198,9 @@ class KvcmClient:
         self, base: str, route: str, payload: bytes | memoryview, timeout_s: float
     ) -> Result:
         t0 = time.perf_counter()
+        lean = self._lean_for(base)
+        if lean is not None:
+            return await self._post_lean(lean, route, payload, timeout_s, t0)
         try:
             async with asyncio.timeout(timeout_s):
                 async with self.session.post(
@@ -189,6 +222,39 @@ class KvcmClient:
                 Action.RETRY, "connect", str(exc)[:200], latency_s=time.perf_counter() - t0
             )
         except (aiohttp.ClientError, OSError) as exc:
+            return Result(
+                Action.RETRY, "transport", repr(exc)[:200], latency_s=time.perf_counter() - t0
+            )
+        if status // 100 != 2:
+            action, reason = classify_http(status)
+            return Result(
+                action,
+                reason,
+                body[:200].decode(errors="replace"),
+                latency_s=time.perf_counter() - t0,
+            )
+        result = interpret(body, route, self.max_response_bytes)
+        result.latency_s = time.perf_counter() - t0
+        return result
+
+    async def _post_lean(
+        self, lean: Http1, route: str, payload: bytes | memoryview, timeout_s: float, t0: float
+    ) -> Result:
+        try:
+            async with asyncio.timeout(timeout_s):
+                status, body = await lean.post(f"/api/{route}", payload, self.max_response_bytes)
+        except TimeoutError:
+            return Result(
+                Action.RETRY,
+                "timeout",
+                f"no answer in {timeout_s}s",
+                latency_s=time.perf_counter() - t0,
+            )
+        except ConnectFailed as exc:
+            return Result(
+                Action.RETRY, "connect", str(exc)[:200], latency_s=time.perf_counter() - t0
+            )
+        except OSError as exc:
             return Result(
                 Action.RETRY, "transport", repr(exc)[:200], latency_s=time.perf_counter() - t0
             )

@@ -18,6 +18,24 @@ from typing import Any, Protocol
 from sidecar.key_state import KeyState
 
 Sleep = Callable[[float], Awaitable[None]]
+# While changes wait for their flush window, a source reads its engine once, this long before
+# the window ends, rather than at every engine step (each wake-up of the event loop costs more
+# than a step's records): the report loop, woken by that read, sends at once whatever is this
+# close to its window's end, so read and send share one wake-up. A change still never waits
+# longer than the window; it may go out up to this much sooner.
+WINDOW_EARLY_S = 0.002
+
+
+def coalesce_until(keys: KeyState, window_s: float, now: float) -> float:
+    """When a source that has just read changes should read next, or 0.0 for "as usual"
+    (no flush window, or nothing waiting). A window that ends with this read (the report loop
+    sends now) gives the next one, which starts now."""
+    if not window_s or not keys.dirty:
+        return 0.0
+    until = keys.dirty_since + window_s - WINDOW_EARLY_S
+    if until <= now:
+        until = now + window_s - WINDOW_EARLY_S
+    return until
 
 
 class SourceRejected(Exception):

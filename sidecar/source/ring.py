@@ -25,10 +25,18 @@ from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.doorbell import Listener
 from sidecar.shm_ring.reader import RingReader
 from sidecar.shm_ring.segment import pid_alive, pid_namespace
-from sidecar.source.base import Identity, Sleep, SourceRejected, Watch, WatchResult
+from sidecar.source.base import (
+    Identity,
+    Sleep,
+    SourceRejected,
+    Watch,
+    WatchResult,
+    coalesce_until,
+)
 from sidecar.source.engine_sync import EngineSync, Sync
 
 log = logging.getLogger(__name__)
+BELL_IDLE_POLLS = 4  # each idle wake-up of the event loop costs ~0.2-0.5 ms of CPU on a VM
 
 
 class RingSource:
@@ -179,8 +187,9 @@ class RingSource:
 
     async def run(self, work: asyncio.Event) -> None:
         # Idle polls cost two 8-byte loads; a full step (which also notices a new engine
-        # incarnation that has not written yet) runs at least every engine watch interval.
-        # The poll period doubles while the ring stays empty, up to idle_poll_interval_s, and
+        # incarnation that has not written yet) runs at the first poll after each engine watch
+        # interval. The poll period doubles while the ring stays empty, up to
+        # idle_poll_interval_s (BELL_IDLE_POLLS watch intervals once the engine has rung), and
         # drops back to poll_interval_s on the first record: each wake-up of the event loop
         # costs far more than the poll itself, so an idle sidecar must not spin; instead it
         # sleeps on the engine's doorbell (shm_ring/doorbell.py), so a quiet spell does not
@@ -208,6 +217,9 @@ class RingSource:
         idle = max(self.cfg.ring.idle_poll_interval_s, busy)
         bell_after = max(self.cfg.ring.bell_after_s, busy)
         full_every = self.cfg.engine.watch_interval_s
+        window = self.cfg.report.flush_window_s
+        send_at = min(self.cfg.report.flush_at_keys, self.cfg.report.batch_max_keys)
+        room = self.reader.capacity // 4  # records a coalesced wait leaves the engine
         last_full = 0.0
         delay = busy
         last_poll = self.clock()
@@ -222,10 +234,23 @@ class RingSource:
                 # These records reached the ring after the previous poll: start the flush
                 # window there, so it bounds the time a change waits in ring + sidecar.
                 sync.keys.dirty_since = last_poll
-            last_poll = now
+            since, last_poll = last_poll, now
             if r.records or r.resynced:
                 work.set()
-            delay = busy if r.records else min(delay * 2, idle)
+            # An engine that has rung the doorbell rings it again when it writes: its fallback
+            # poll can wait BELL_IDLE_POLLS engine watch intervals (the watch loop sees its
+            # death meanwhile); an engine without a bell is polled every idle, as before.
+            limit = max(idle, BELL_IDLE_POLLS * full_every) if bell and bell.rung else idle
+            delay = busy if r.records else min(delay * 2, limit)
+            until = coalesce_until(sync.keys, window, now) if r.records else 0.0
+            if until and not self.reader.lag():
+                # Changes wait for the flush window: read again just before it ends (or when
+                # flush_at_keys or a quarter of the ring would fill at the rate just seen), not
+                # at every engine step, and without the doorbell (the engine posts nothing).
+                rate = r.records / max(now - since, busy)
+                fill = min(max(send_at - len(sync.keys.dirty), 0), room) / rate
+                await self.sleep(max(min(until - now, fill), busy))
+                continue
             if delay <= bell_after or bell is None:
                 await self.sleep(delay)
                 continue

@@ -26,7 +26,7 @@ import zmq.asyncio
 from sidecar.config import Config, group_list, medium_map
 from sidecar.key_state import KeyState
 from sidecar.source import checkpoint as ckpt
-from sidecar.source.base import Identity, Watch, WatchResult
+from sidecar.source.base import Identity, Watch, WatchResult, coalesce_until
 from sidecar.source.block_counts import BlockCounts
 from sidecar.source.health import probe
 from sidecar.source.key_check import KeyCheck
@@ -47,6 +47,7 @@ END_SEQ = b"\xff" * 8  # the replay end marker's seq (-1)
 MAX_HELD_LIVE = 200_000  # live batches held while a replay runs; beyond: give up, forget
 IDLE_TURN_S = 0.5  # bounds how long a replay asked for by the watch loop waits to go out
 DRAIN_BATCHES = 1024  # frames read per loop turn before folding: ~25 ms of work at 1 M blocks/s
+COALESCE_MIN_S = 0.002  # shorter coalesced waits poll instead (a timer's own granularity: 1 ms)
 
 # Forget reasons (labels of kvcm_sidecar_zmq_forgets_total).
 F_UNCOVERED = "replay_uncovered"  # the engine's buffer no longer holds the gap
@@ -722,6 +723,18 @@ class Stream:
                 self.forget(F_CLEARED, f"AllBlocksCleared in batch {seq}")
 
 
+def _unwatch(sock: zmq.asyncio.Socket) -> Callable[[], None] | None:
+    """Stop the event loop watching an asyncio socket's descriptor; returns what watches it
+    again (None, and nothing changed, if this pyzmq lacks the two methods)."""
+    clear = getattr(sock, "_clear_io_state", None)
+    init = getattr(sock, "_init_io_state", None)
+    if clear is None or init is None:
+        return None
+    clear()
+    out: Callable[[], None] = init
+    return out
+
+
 def kvcm_mediums(cfg: Config) -> tuple[tuple[str, ...], dict[str, int]]:
     """(medium table, engine medium -> index): index 0 is what GPU (the default) maps to."""
     mm = medium_map(cfg.source.zmq.medium_map)
@@ -1058,22 +1071,30 @@ class ZmqSource:
             sync_dealer = zmq.Socket.shadow(dealer.underlying)
         every = self.z.checkpoint_interval_s
         next_ckpt = self.clock() + every
+        window = self.cfg.report.flush_window_s
+        send_at = min(self.cfg.report.flush_at_keys, self.cfg.report.batch_max_keys)
+        since = 0.0  # > 0: the loop slept on purpose since then (batches queued in the SUB)
+        blocks_before = 0
         while True:
             s.tick()
             if s.want_replay is not None and dealer is not None:
                 start, s.want_replay = s.want_replay, None
                 await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            # At most IDLE_TURN_S asleep: a replay the watch loop asks for goes out promptly.
-            timeout = min(next_ckpt - self.clock(), IDLE_TURN_S)
-            if s.replay is not None:
-                timeout = min(timeout, s.replay.deadline - self.clock())
-            if (retry_at := s.next_timer()) is not None:
-                timeout = min(timeout, retry_at - self.clock())
-            events = dict(await poller.poll(max(int(timeout * 1000), 0)))
-            if sync_dealer is not None and dealer in events:
-                self._read_replies(sync_dealer)
-            if sub in events:
-                self._read_live(sync_sub)
+            read = 0
+            if since:  # after a coalesced wait: read what queued meanwhile, no poll
+                read = self._read_live(sync_sub)
+            else:
+                # At most IDLE_TURN_S asleep: a replay the watch loop asks for goes out promptly.
+                timeout = min(next_ckpt - self.clock(), IDLE_TURN_S)
+                if s.replay is not None:
+                    timeout = min(timeout, s.replay.deadline - self.clock())
+                if (retry_at := s.next_timer()) is not None:
+                    timeout = min(timeout, retry_at - self.clock())
+                events = dict(await poller.poll(max(int(timeout * 1000), 0)))
+                if sync_dealer is not None and dealer in events:
+                    self._read_replies(sync_dealer)
+                if sub in events:
+                    read = self._read_live(sync_sub)
             if s.check_deadline() and dealer is not None:
                 # Replies to the request given up on may still come: a fresh socket drops them.
                 poller.unregister(dealer)
@@ -1087,13 +1108,36 @@ class ZmqSource:
             if s.changed:
                 s.changed = False
                 if not was_dirty and self.keys.dirty:
-                    self.keys.dirty_since = self.clock()
+                    # Batches read after a coalesced wait arrived after it began.
+                    self.keys.dirty_since = since or self.clock()
                 work.set()
             if self.clock() >= next_ckpt:
                 self.write_checkpoint()
                 next_ckpt = self.clock() + every
+            now, prev, since = self.clock(), since, 0.0
+            until = coalesce_until(self.keys, window, now) if read else 0.0
+            if until and read < DRAIN_BATCHES and s.replay is None and s.want_replay is None:
+                # Changes wait for the flush window: read again just before it ends (or when
+                # flush_at_keys would fill at the rate just seen), not at every engine step.
+                blocks = s.blocks - blocks_before if prev else 0
+                if blocks:
+                    fill = max(send_at - len(self.keys.dirty), 0) / (blocks / (now - prev))
+                    until = min(until, now + fill)
+                if (retry_at := s.next_timer()) is not None:
+                    until = min(until, retry_at)
+                until = min(until, next_ckpt)
+                if until - now >= COALESCE_MIN_S:
+                    since, blocks_before = now, s.blocks
+                    # pyzmq watches the SUB's descriptor for the socket's whole life: its first
+                    # batch during the wait would wake the loop for nothing. Unwatched meanwhile.
+                    watch = _unwatch(sub)
+                    try:
+                        await asyncio.sleep(until - now)
+                    finally:
+                        if watch is not None:
+                            watch()
 
-    def _read_live(self, sock: zmq.Socket[bytes]) -> None:
+    def _read_live(self, sock: zmq.Socket[bytes]) -> int:
         # pyzmq's recv_multipart asks RCVMORE after every frame (~1 us each: getsockopt goes
         # through a Python enum): a batch is three frames, so take three and ask once that the
         # message ended there, through the payload's Frame (its `more` is read in C). A message
@@ -1103,18 +1147,18 @@ class ZmqSource:
         s = self.stream
         recv, more = sock.recv, sock.getsockopt
         nb, rcvmore = int(zmq.NOBLOCK), int(zmq.RCVMORE)
-        for _ in range(DRAIN_BATCHES):
+        for n_read in range(DRAIN_BATCHES):
             try:
                 topic = recv(nb)
             except zmq.Again:
-                return
+                return n_read
             self.live_frames += 1
             try:
                 seq_b = recv(nb)
                 frame = recv(nb, copy=False)
             except zmq.Again:  # a message of one or two frames, and nothing after it
                 self._bad_frame("frame_shape", 2)
-                return
+                return n_read + 1
             payload = frame.bytes
             if frame.more:
                 n = 3
@@ -1128,6 +1172,7 @@ class ZmqSource:
                 continue
             del topic  # the SUB's prefix filter already matched it
             s.on_live(int.from_bytes(seq_b, "big"), payload)
+        return DRAIN_BATCHES
 
     def _read_replies(self, sock: zmq.Socket[bytes]) -> None:
         # At most DRAIN_BATCHES per loop turn, as for live frames: a 10 000-batch replay must

@@ -164,6 +164,39 @@ def test_hook_records_kind_group_and_key_in_order(ring_name: str) -> None:
     reader.close()
 
 
+def test_hook_single_keys_grow_one_run_in_call_order(ring_name: str) -> None:
+    """Block-by-block stored(k) calls with one meta share one staged word array (one run for
+    the flush); another meta, a negative or oversize key, or a flush in between starts anew."""
+    hook = _attach(ring_name, group_block_bytes=(10, 10), start_flusher=False)
+    reader = RingReader(Segment(ring_name))
+    for k in (1, 2, 3):
+        hook.stored(k)
+    assert len(hook._staged) == 1
+    hook.stored(-4)  # KVCM's signed spelling: staged alone, wraps at the flush
+    hook.stored(5)
+    hook.stored(2**64 + 1)  # refused, counted: the others keep their order
+    hook.stored(6, group=1)
+    hook.removed(7)
+    hook.stored(8)
+    assert hook.flush() == 8
+    hook.stored(9)
+    assert hook.flush() == 1
+    assert _read_all(reader) == [
+        (1, L.KIND_STORED, 0),
+        (2, L.KIND_STORED, 0),
+        (3, L.KIND_STORED, 0),
+        (-4, L.KIND_STORED, 0),
+        (5, L.KIND_STORED, 0),
+        (6, L.KIND_STORED, 1),
+        (7, L.KIND_REMOVED, 0),
+        (8, L.KIND_STORED, 0),
+        (9, L.KIND_STORED, 0),
+    ]
+    assert hook.stats()["problems"]["bad_key"] == 1
+    hook.close()
+    reader.close()
+
+
 @pytest.mark.parametrize(
     ("call", "reason"),
     [

@@ -28,16 +28,36 @@ async def _handler(request: web.Request) -> web.Response:
     return web.Response(status=status, body=body, content_type="application/json")
 
 
-@pytest.fixture
-async def client() -> AsyncIterator[KvcmClient]:
+async def _chunked(request: web.Request) -> web.StreamResponse:
+    """The same script, answered with Transfer-Encoding: chunked (in small chunks)."""
+    status, body, delay = SCRIPT[request.match_info["route"]]
+    if delay:
+        await asyncio.sleep(delay)
+    resp = web.StreamResponse(status=status, headers={"Content-Type": "application/json"})
+    resp.enable_chunked_encoding()
+    await resp.prepare(request)
+    for i in range(0, len(body), 7):
+        await resp.write(body[i : i + 7])
+    await resp.write_eof()
+    return resp
+
+
+# lean: the daemon's transport (kvcm_client/transport.py) instead of aiohttp's; chunked: the
+# server answers in chunks
+@pytest.fixture(params=["aiohttp", "lean", "lean_chunked"])
+async def client(request: pytest.FixtureRequest) -> AsyncIterator[KvcmClient]:
     app = web.Application()
     app.router.add_post("/api/{route}", _handler)
+    app.router.add_post("/chunked/api/{route}", _chunked)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     port = runner.addresses[0][1]
+    base = f"http://127.0.0.1:{port}" + ("/chunked" if request.param == "lean_chunked" else "")
     async with aiohttp.ClientSession() as session:
-        yield KvcmClient(session, f"http://127.0.0.1:{port}", max_response_bytes=4096)
+        c = KvcmClient(session, base, max_response_bytes=4096, lean_http=request.param != "aiohttp")
+        yield c
+        c.close()
     await runner.cleanup()
 
 
@@ -158,11 +178,59 @@ async def test_client_timeout_is_retry(client: KvcmClient) -> None:
     assert (result.action, result.reason) == (Action.RETRY, "timeout")
 
 
-async def test_client_connection_refused_is_retry() -> None:
+@pytest.mark.parametrize("lean", [False, True])
+async def test_client_connection_refused_is_retry(lean: bool) -> None:
     async with aiohttp.ClientSession() as session:
-        c = KvcmClient(session, "http://127.0.0.1:9", max_response_bytes=4096)
+        c = KvcmClient(session, "http://127.0.0.1:9", max_response_bytes=4096, lean_http=lean)
         result = await c.post("x", b"{}", timeout_s=2)
+        c.close()
     assert (result.action, result.reason) == (Action.RETRY, "connect")
+
+
+async def test_client_lean_keeps_one_connection_and_survives_a_timeout(
+    client: KvcmClient,
+) -> None:
+    """Keep-alive: requests reuse the connection; a timed-out request's late answer is never
+    read as the next request's (its connection is closed)."""
+    SCRIPT["slow"] = (200, b'{"header":{"status":{"code":"SERVER_BUSY"}}}', 0.2)
+    SCRIPT["fast"] = (200, _ok(), 0.0)
+    assert (await client.post("slow", b"{}", timeout_s=0.05)).reason == "timeout"
+    for _ in range(3):
+        assert (await client.post("fast", b"{}", timeout_s=2)).ok
+    lean = client._lean_for(client.base)
+    if lean is not None:
+        assert len(lean._idle) == 1
+
+
+async def test_client_lean_follows_the_base_to_a_new_leader() -> None:
+    """Discovery moves `base`: requests go to the new endpoint, and the connections to the old
+    one are closed, not reused."""
+    seen: list[int] = []
+    runners = []
+    for n in (1, 2):
+
+        async def handler(request: web.Request, n: int = n) -> web.Response:
+            seen.append(n)
+            return web.Response(body=_ok(), content_type="application/json")
+
+        app = web.Application()
+        app.router.add_post("/api/{route}", handler)
+        r = web.AppRunner(app)
+        await r.setup()
+        await web.TCPSite(r, "127.0.0.1", 0).start()
+        runners.append(r)
+    bases = [f"http://127.0.0.1:{r.addresses[0][1]}" for r in runners]
+    async with aiohttp.ClientSession() as session:
+        c = KvcmClient(session, bases[0], max_response_bytes=4096, lean_http=True)
+        assert (await c.post("x", b"{}", timeout_s=2)).ok
+        old = c._lean_for(bases[0])
+        c.base = bases[1]
+        result = await c.post("x", b"{}", timeout_s=2)
+        assert result.ok and result.endpoint == bases[1] and seen == [1, 2]
+        assert old is not None and not old._idle
+        c.close()
+    for r in runners:
+        await r.cleanup()
 
 
 @pytest.mark.parametrize("code", sorted(set(CODE_NAMES.values()) - {"OK"}))
