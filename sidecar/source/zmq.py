@@ -391,12 +391,7 @@ class Stream:
     def tick(self) -> None:
         """The feed loop's turn: a timed recovery attempt or a tail check, when one is due."""
         b = self.basis
-        if (
-            b is not None
-            and self.replay is None
-            and b.attempts < self.replay_retries
-            and self.clock() >= b.retry_at
-        ):
+        if b is not None and self.replay is None and self._timed(b) and self.clock() >= b.retry_at:
             self._recover("retry")
         tail = self._tail_due()
         if tail is not None and self.clock() >= tail:
@@ -419,12 +414,19 @@ class Stream:
         """clock() of the next timed recovery attempt or tail check (None: none is due)."""
         b = self.basis
         due = [t for t in (self._tail_due(),) if t is not None]
-        if b is not None and self.replay is None and b.attempts < self.replay_retries:
+        if b is not None and self.replay is None and self._timed(b):
             due.append(b.retry_at)
         return min(due) if due else None
 
+    def _timed(self, b: Basis) -> bool:
+        """Timed attempts go on: `replay_retries` of them, then, while the stream stays silent
+        (an engine that is back may stay idle: no batch would ask for it), one every
+        replay_retry_cap_s."""
+        return b.attempts < self.replay_retries or b.armed
+
     def _pend_basis(self, basis: Basis, silent: bool) -> None:
-        base = min(self.replay_retry_cap_s, self.replay_timeout_s * 2 ** min(basis.attempts, 20))
+        base = self.replay_timeout_s * 2 ** min(basis.attempts, 20)
+        base = min(self.replay_retry_cap_s, max(base, self.replay_timeout_s))
         basis.retry_at = self.clock() + base * (0.5 + 0.5 * self.rng.random())
         basis.armed = silent
         if basis.attempts >= self.replay_retries and not silent:

@@ -767,7 +767,10 @@ def test_zmq_stream_engine_stopped_past_every_timed_attempt_still_recovers_when_
             now[0] += 2.5
             assert s.check_deadline()
     assert s.forgets == {"replay_timeout": 1}  # KVCM was told once
-    assert s.basis is not None and s.basis.attempts == s.replay_retries and s.next_timer() is None
+    b = pending(s)
+    assert isinstance(b, Basis) and b.attempts > s.replay_retries  # silent: on at the cap
+    due = s.next_timer()
+    assert due is not None and due <= now[0] + s.replay_retry_cap_s
     s.on_live(8, p[8])  # back at last
     for seq in range(4, 9):
         s.on_replayed(seq, p[seq])
@@ -915,3 +918,23 @@ def test_zmq_stream_an_unanswered_tail_check_changes_nothing() -> None:
     assert s.check_deadline()
     assert s.forgets == {} and pending(s) is None and published(s) == {10, 11, 12, 13, 14}
     assert s.expected == 5
+
+
+def test_zmq_stream_an_engine_back_but_idle_is_recovered_by_a_timed_attempt() -> None:
+    """Review of the chaos soak: an engine resumed after the whole retry budget and published
+    nothing; with no batch to ask for it and no timed attempt left, KVCM kept nothing."""
+    now = [0.0]
+    s, p = _paused_after_a_gap(now)
+    while (b := pending(s)) is not None and isinstance(b, Basis) and b.attempts < 10:
+        now[0] += 100.0
+        s.tick()
+        if replaying(s):
+            now[0] += 2.5
+            s.check_deadline()
+    now[0] += 100.0  # the engine is back, and idle
+    s.tick()
+    assert replaying(s) and s.want_replay == 4
+    for seq in range(4, 8):
+        s.on_replayed(seq, p[seq])
+    s.on_replay_end()
+    assert published(s) == {10 + k for k in range(8)} and pending(s) is None
