@@ -27,7 +27,7 @@ SEEDS = [(11, "ring,c,vllm"), (12, "plain,sglang,vllm")]
 def test_chaos_short_seed_has_no_violation(seed: int, sources: str, tmp_path: Path) -> None:
     out = tmp_path / "summary.json"
     argv = [sys.executable, "-m", "sidecar.testbed.chaos", "--seed", str(seed)]
-    argv += ["--duration", "8", "--sources", sources, "--json", str(out)]
+    argv += ["--duration", "6", "--sources", sources, "--json", str(out)]
     p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=140, check=False)
     lines = p.stdout.splitlines()
     assert lines and json.loads(lines[0])["seed"] == seed  # the schedule is printed first

@@ -120,8 +120,9 @@ async def test_zmq_keys_two_engines_with_different_seeds_share_keys_both_hosts_l
             engine_keys.append({k for k, _m in p.truth(group=0)})
         assert not engine_keys[0] & engine_keys[1]  # two key spaces in engine mode
         keys = K.rolling_keys(PROMPT, 4)
-        got = await until(lambda s: len(s) == 2, lambda: host_state(h, keys))
-        assert got == {hosts[0]: 6, hosts[1]: 6}
+        want = {hosts[0]: 6, hosts[1]: 6}  # both hosts, each with the whole prefix
+        got = await until(lambda s: s == want, lambda: host_state(h, keys))
+        assert got == want
     finally:
         for s in sides:
             s.close()
