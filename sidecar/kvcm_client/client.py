@@ -197,75 +197,37 @@ class KvcmClient:
     async def _post(
         self, base: str, route: str, payload: bytes | memoryview, timeout_s: float
     ) -> Result:
+        """One POST over the lean client (plain http://) or aiohttp; every failure a Result."""
         t0 = time.perf_counter()
         lean = self._lean_for(base)
-        if lean is not None:
-            return await self._post_lean(lean, route, payload, timeout_s, t0)
         try:
             async with asyncio.timeout(timeout_s):
-                async with self.session.post(
-                    f"{base}/api/{route}",
-                    data=payload,
-                    headers={"Content-Type": "application/json"},
-                ) as resp:
-                    body = await resp.content.read(self.max_response_bytes + 1)
-                    status = resp.status
+                if lean is not None:
+                    path = f"/api/{route}"
+                    status, body = await lean.post(path, payload, self.max_response_bytes)
+                else:
+                    async with self.session.post(
+                        f"{base}/api/{route}",
+                        data=payload,
+                        headers={"Content-Type": "application/json"},
+                    ) as resp:
+                        body = await resp.content.read(self.max_response_bytes + 1)
+                        status = resp.status
         except TimeoutError:
-            return Result(
-                Action.RETRY,
-                "timeout",
-                f"no answer in {timeout_s}s",
-                latency_s=time.perf_counter() - t0,
-            )
-        except aiohttp.ClientConnectorError as exc:
-            return Result(
-                Action.RETRY, "connect", str(exc)[:200], latency_s=time.perf_counter() - t0
-            )
+            return _failed("timeout", f"no answer in {timeout_s}s", t0)
+        except (aiohttp.ClientConnectorError, ConnectFailed) as exc:
+            return _failed("connect", str(exc)[:200], t0)
         except (aiohttp.ClientError, OSError) as exc:
-            return Result(
-                Action.RETRY, "transport", repr(exc)[:200], latency_s=time.perf_counter() - t0
-            )
+            return _failed("transport", repr(exc)[:200], t0)
         if status // 100 != 2:
             action, reason = classify_http(status)
-            return Result(
-                action,
-                reason,
-                body[:200].decode(errors="replace"),
-                latency_s=time.perf_counter() - t0,
-            )
+            message = body[:200].decode(errors="replace")
+            return Result(action, reason, message, latency_s=time.perf_counter() - t0)
         result = interpret(body, route, self.max_response_bytes)
         result.latency_s = time.perf_counter() - t0
         return result
 
-    async def _post_lean(
-        self, lean: Http1, route: str, payload: bytes | memoryview, timeout_s: float, t0: float
-    ) -> Result:
-        try:
-            async with asyncio.timeout(timeout_s):
-                status, body = await lean.post(f"/api/{route}", payload, self.max_response_bytes)
-        except TimeoutError:
-            return Result(
-                Action.RETRY,
-                "timeout",
-                f"no answer in {timeout_s}s",
-                latency_s=time.perf_counter() - t0,
-            )
-        except ConnectFailed as exc:
-            return Result(
-                Action.RETRY, "connect", str(exc)[:200], latency_s=time.perf_counter() - t0
-            )
-        except OSError as exc:
-            return Result(
-                Action.RETRY, "transport", repr(exc)[:200], latency_s=time.perf_counter() - t0
-            )
-        if status // 100 != 2:
-            action, reason = classify_http(status)
-            return Result(
-                action,
-                reason,
-                body[:200].decode(errors="replace"),
-                latency_s=time.perf_counter() - t0,
-            )
-        result = interpret(body, route, self.max_response_bytes)
-        result.latency_s = time.perf_counter() - t0
-        return result
+
+def _failed(reason: str, message: str, t0: float) -> Result:
+    """No answer to act on: retried (timeouts and broken connections are ambiguous)."""
+    return Result(Action.RETRY, reason, message, latency_s=time.perf_counter() - t0)

@@ -22,11 +22,10 @@ import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from queue import Empty, Queue
 from typing import Any
 
 from sidecar.shm_ring.segment import unlink
-from sidecar.testbed.proc import ROOT, EngineProc
+from sidecar.testbed.proc import ROOT, EngineProc, Lines
 
 REDIS = shutil.which("redis-server") or (
     "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None
@@ -38,35 +37,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
-
-
-class Lines:
-    """A child's stdout, line by line, collected by a thread."""
-
-    def __init__(self, p: subprocess.Popen[str]) -> None:
-        self.p = p
-        self.q: Queue[str] = Queue()
-        self.log: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.p.stdout is not None
-        for line in self.p.stdout:
-            self.log.append(line)
-            self.q.put(line)
-        self.q.put("")
-
-    def wait(self, needle: str, timeout: float = 20.0) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.q.get(timeout=max(deadline - time.monotonic(), 0.01))
-            except Empty:
-                raise TimeoutError(f"never printed {needle!r}: {''.join(self.log[-10:])}") from None
-            if not line:
-                raise EOFError(f"exited rc={self.p.wait()}: {''.join(self.log[-20:])}")
-            if needle in line:
-                return line
 
 
 class RedisProc:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from queue import Empty, Queue
 from typing import Any
@@ -65,3 +66,36 @@ class EngineProc:
         for f in (self.p.stdin, self.p.stdout):
             if f is not None:
                 f.close()
+
+
+class Lines:
+    """A child's stdout, line by line, collected by a thread: `log` keeps them all, `wait()`
+    takes them in order until one holds the needle (a timeout or the child's exit raises)."""
+
+    def __init__(self, p: subprocess.Popen[str], who: str = "child") -> None:
+        self.p = p
+        self.who = who
+        self.q: Queue[str] = Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            self.log.append(line)
+            self.q.put(line)
+        self.q.put("")
+
+    def wait(self, needle: str, timeout: float = 20.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.q.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except Empty:
+                tail = "".join(self.log[-10:])
+                raise TimeoutError(f"{self.who} never printed {needle!r}: {tail}") from None
+            if not line:
+                tail = "".join(self.log[-20:])
+                raise EOFError(f"{self.who} exited rc={self.p.wait()}: {tail}")
+            if needle in line:
+                return line

@@ -14,11 +14,9 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
-from queue import Empty, Queue
 from typing import Any
 
 import aiohttp
@@ -26,7 +24,7 @@ from aiohttp import web
 
 from sidecar.kvcm_server.app import KvcmServer
 from sidecar.shm_ring.segment import unlink
-from sidecar.testbed.proc import ROOT, EngineProc
+from sidecar.testbed.proc import ROOT, EngineProc, Lines
 
 SIDECAR_SETTINGS = {
     "report.heartbeat_interval_s": "0.2",
@@ -54,28 +52,11 @@ class SidecarProc:
         self.p = subprocess.Popen(
             argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        self.lines: Queue[str] = Queue()
-        self.log: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.p.stdout is not None
-        for line in self.p.stdout:
-            self.log.append(line)
-            self.lines.put(line)
-        self.lines.put("")
+        self.out = Lines(self.p, "sidecar")
+        self.log = self.out.log
 
     def wait_line(self, needle: str, timeout: float = 20) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
-            except Empty:
-                raise TimeoutError(f"sidecar never logged {needle!r}") from None
-            if not line:
-                raise EOFError(f"sidecar exited rc={self.p.wait()}: {''.join(self.log[-20:])}")
-            if needle in line:
-                return line
+        return self.out.wait(needle, timeout)
 
     def terminate(self) -> None:
         if self.p.poll() is None:
