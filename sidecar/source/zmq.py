@@ -321,8 +321,9 @@ class Stream:
         r = self.replay
         if r is None:
             return
-        if r.proof is not None and not r.proven and r.why == "back":
-            # The batch applied last is gone from the buffer: the seq went back for good.
+        if r.proof is not None and not r.proven and r.why in ("back", "tail"):
+            # The batch applied last is gone from the buffer: the seq went back for good (a
+            # tail check sees it when a new engine life came up quietly: chaos seed 3101).
             self.replays["restart"] += 1
             self.replay = None
             self._restart(F_RESTART, f"batch {r.start} gone from the replay buffer", r.live)

@@ -462,3 +462,21 @@ async def test_zmq_source_batches_lost_at_the_end_of_a_burst_reach_kvcm(z: ZmqHa
     await z.converge()  # and nothing after them: only the tail check can find them
     st = await z.settle(lambda s: s["zmq_replays"].get("tail_check", 0) >= 1)
     assert _forgets(st) == {}
+
+
+async def test_zmq_source_a_quiet_engine_restart_whose_first_batches_were_lost_is_caught(
+    z: ZmqHarness,
+) -> None:
+    """Found by the chaos run (seed 3101): the engine restarted right after a burst, and its
+    first batches were lost while the SUB reconnected; nothing later revealed the new life."""
+    pub = z.start_engine()
+    z.start_sidecar()
+    z.workload(300)
+    pub.call("store", n=4, medium="GPU", step=True)  # seen live: the tail check is due
+    pub.call("restart")  # a new life, seq from 0 ...
+    pub.call("gap", batches=2)  # ... whose first two batches never reach the SUB
+    pub.call("store", n=3, medium="GPU", step=True)
+    pub.call("store", n=2, medium="CPU", step=True)
+    await z.converge()  # exactly the new life's five blocks
+    st = await z.settle(lambda s: s["state"] == "READY")
+    assert _forgets(st).get("engine_restart", 0) >= 1

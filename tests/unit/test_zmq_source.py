@@ -938,3 +938,20 @@ def test_zmq_stream_an_engine_back_but_idle_is_recovered_by_a_timed_attempt() ->
         s.on_replayed(seq, p[seq])
     s.on_replay_end()
     assert published(s) == {10 + k for k in range(8)} and pending(s) is None
+
+
+def test_zmq_stream_a_tail_check_that_finds_the_last_batch_gone_is_an_engine_restart() -> None:
+    """Found by the chaos run (seed 3101): the engine restarted, and its few first batches were
+    lost while the SUB reconnected; the tail check found the last applied batch gone from the
+    buffer and forgot, but nothing asked for the new life, whose keys KVCM never got."""
+    now = [0.0]
+    s, _p = _tail_stream(now)
+    now[0] = 1.0
+    s.tick()
+    assert s.want_replay == 4
+    s.on_replay_end()  # the new life's buffer holds nothing from seq 4 on
+    assert s.forgets == {"engine_restart": 1} and s.want_replay == 0  # its life from 0
+    for seq, k in enumerate((90, 91)):
+        s.on_replayed(seq, payload([stored(k)]))
+    s.on_replay_end()
+    assert published(s) == {90, 91} and not replaying(s)
