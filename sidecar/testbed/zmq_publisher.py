@@ -836,25 +836,27 @@ class Publisher:
                     parent = lst[-len(hs) - 1] if len(lst) > len(hs) else None
                     ev = schema.stored(hs, parent, tokens[: len(hs) * bs], bs, None, m, g)
                     op = "s"
-                delta = (op, m, g, [key_of(h) for h in hs]) if w.truth else None
-                with self._lock:
-                    self._pending.append(ev)
-                    self._pending_truth.append(delta)
-                    self.block_events_queued += len(hs)
+                self._enqueue(ev, hs, (op, m, g) if w.truth else None)
                 done += len(hs)
-            self.step()
             steps += 1
-            if w.rate > 0:
-                ahead = done / w.rate - (time.monotonic() - t0)
-                if ahead > 0:
-                    stop.wait(ahead)
-        return {
-            "block_events": done,
-            "steps": steps,
-            "elapsed_s": time.monotonic() - t0,
-            "engine_thread_cpu_s": time.thread_time() - cpu0,
-            "held": n_held,
-        }
+            self._step_paced(w, done, t0, stop)
+        return _summary(done, steps, t0, cpu0, n_held)
+
+    def _enqueue(self, ev: Any, hs: list[int | bytes], truth: tuple[str, str, int] | None) -> None:
+        """One event of `hs` for the next step, with its change to the truth (None: untracked)."""
+        delta = None if truth is None else (*truth, [key_of(h) for h in hs])
+        with self._lock:
+            self._pending.append(ev)
+            self._pending_truth.append(delta)
+            self.block_events_queued += len(hs)
+
+    def _step_paced(self, w: Workload, done: int, t0: float, stop: threading.Event) -> None:
+        """Publish the step, then wait until `done` events are due at `w.rate` (0: no wait)."""
+        self.step()
+        if w.rate > 0:
+            ahead = done / w.rate - (time.monotonic() - t0)
+            if ahead > 0:
+                stop.wait(ahead)
 
     def _generate_hashed(
         self, w: Workload, stop: threading.Event, hasher: EngineHasher
@@ -906,25 +908,21 @@ class Publisher:
                     n_held += len(hs)
                     ev = schema.stored(hs, parent, toks, bs, None, m, g)
                     op = "s"
-                delta = (op, m, g, [key_of(h) for h in hs]) if w.truth else None
-                with self._lock:
-                    self._pending.append(ev)
-                    self._pending_truth.append(delta)
-                    self.block_events_queued += len(hs)
+                self._enqueue(ev, hs, (op, m, g) if w.truth else None)
                 done += len(hs)
-            self.step()
             steps += 1
-            if w.rate > 0:
-                ahead = done / w.rate - (time.monotonic() - t0)
-                if ahead > 0:
-                    stop.wait(ahead)
-        return {
-            "block_events": done,
-            "steps": steps,
-            "elapsed_s": time.monotonic() - t0,
-            "engine_thread_cpu_s": time.thread_time() - cpu0,
-            "held": n_held,
-        }
+            self._step_paced(w, done, t0, stop)
+        return _summary(done, steps, t0, cpu0, n_held)
+
+
+def _summary(done: int, steps: int, t0: float, cpu0: float, held: int) -> dict[str, Any]:
+    return {
+        "block_events": done,
+        "steps": steps,
+        "elapsed_s": time.monotonic() - t0,
+        "engine_thread_cpu_s": time.thread_time() - cpu0,
+        "held": held,
+    }
 
 
 class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
