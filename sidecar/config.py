@@ -112,6 +112,9 @@ class ZmqConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
     kvcm_block_size: Annotated[int, Meta(ge=0)] = 0
     key_table_entries: PosInt = 4_194_304  # rolling: (group, engine hash) -> state, LRU bound
     router_hash_seed: str = "0"  # the key check's vllm_sha256_cbor seed (FlexLB's default "0")
+    # rolling: report only this LoRA adapter's blocks (its lora_name, or its lora_id), under
+    # this sidecar's own instance id; empty: the base model's blocks (LoRA ones are not reported)
+    lora_adapter: str = ""
 
     @property
     def kvcm_block_tokens(self) -> int:
@@ -265,6 +268,16 @@ def _check_zmq(z: ZmqConfig) -> None:
         raise ValueError(
             f"source.zmq.kvcm_block_size {k} must be the engine's block size {e} times or "
             "divided by a whole number"
+        )
+    if z.lora_adapter and z.key_mode != "rolling":
+        raise ValueError(
+            f"source.zmq.lora_adapter {z.lora_adapter!r} needs source.zmq.key_mode=rolling (an "
+            "adapter's blocks are reported under their own instance's token keys), not "
+            f"{z.key_mode}"
+        )
+    if z.lora_adapter and z.engine == "sglang":
+        raise ValueError(
+            f"source.zmq.lora_adapter {z.lora_adapter!r}: SGLang's events carry no LoRA field"
         )
 
 

@@ -31,10 +31,14 @@ UNKNOWN_PARENT, EXTRA_KEYS, LORA, TAINTED, GROUP = (
     "group",
 )
 TOKENLESS, MALFORMED = "tokenless", "malformed"
-REASONS = (UNKNOWN_PARENT, EXTRA_KEYS, LORA, TAINTED, GROUP, TOKENLESS, MALFORMED)
+# A sidecar that serves one LoRA adapter (source.zmq.lora_adapter): the base model's blocks and
+# other adapters' belong to other KVCM instances (their own sidecars report them there).
+OTHER_INSTANCE = "other_instance"
+REASONS = (UNKNOWN_PARENT, EXTRA_KEYS, LORA, TAINTED, GROUP, TOKENLESS, MALFORMED, OTHER_INSTANCE)
 
 _TOKENS = msgspec.msgpack.Decoder(list[int])
 _PARENT = msgspec.msgpack.Decoder(int | bytes | None)
+_LORA = msgspec.msgpack.Decoder(int | str | None)
 _ANY = msgspec.msgpack.Decoder()
 _M64 = (1 << 64) - 1
 # An entry, packed in one int: state (64 bits, unsigned view) | pending << 64 | flags << 96 |
@@ -174,6 +178,7 @@ class Rekey:
         both: bool = False,
         capacity: int = 1 << 22,
         sglang: bool = False,
+        lora_adapter: str = "",
     ) -> None:
         if max(engine_block, kvcm_block) % min(engine_block, kvcm_block):
             raise ValueError(f"block sizes {engine_block} and {kvcm_block}: not a whole ratio")
@@ -186,6 +191,9 @@ class Rekey:
         # first page is seeded with the salt, so a root page whose hash is not SGLang's
         # unsalted page hash is salted: its chain is not token-addressable.
         self.sglang = sglang
+        # One LoRA adapter's KVCM instance: only that adapter's blocks, keyed by their tokens
+        # (the instance separates them from the base model's). Empty: the base model's.
+        self.lora_adapter = lora_adapter
         self.table = KeyTable(capacity)
         self.unkeyed: Counter[str] = Counter()
         self.keyed = 0  # engine blocks reported under rolling keys
@@ -199,6 +207,7 @@ class Rekey:
             "key_table_evictions": self.table.evictions,
             "blocks_keyed": self.keyed,
             "blocks_unkeyed": dict(self.unkeyed),
+            **({"lora_adapter": self.lora_adapter} if self.lora_adapter else {}),
         }
 
     # ---- the fold ---------------------------------------------------------------------------
@@ -306,6 +315,10 @@ class Rekey:
             for key in engine:
                 out += self._known(g, key, t[key])
             return out
+        name, lid = self._lora_of(ev)
+        if self.lora_adapter and self.lora_adapter not in (name or None, lid or None):
+            self.unkeyed[OTHER_INSTANCE] += nb  # no entries: nothing here may chain from them
+            return []
         if not _full_attention(getattr(ev, "kv_cache_spec_kind", None)):
             self.unkeyed[GROUP] += nb
             return []
@@ -351,10 +364,10 @@ class Rekey:
                 h = _unpack(v)[0]
                 out += self._known(g, engine[start], v)
                 start += 1
-        if not _is_nil(ev.lora_id) or not _is_nil(getattr(ev, "lora_name", None)):
+        if (name or lid) and not self.lora_adapter:
             self._taint(g, engine[start:], LORA)
             return out
-        first_extra = self._first_extra(getattr(ev, "extra_keys", None), nb)
+        first_extra = self._first_extra(getattr(ev, "extra_keys", None), nb, name)
         stop = max(first_extra, start)
         if start < stop:
             # the state after every step tokens, from the chain's known state
@@ -403,8 +416,25 @@ class Rekey:
         return K.engine_key(h) == K.sglang_key(d)
 
     @staticmethod
-    def _first_extra(raw: Any, nb: int) -> int:
-        """Index of the first block with extra keys (nb: none); unreadable counts as extra."""
+    def _lora_of(ev: Any) -> tuple[str, str]:
+        """The event's adapter as (lora_name, lora_id) text, "" where absent ("?" unreadable:
+        some adapter's, never the base model's). Releases before lora_name send only the id."""
+        out = []
+        for raw in (getattr(ev, "lora_name", None), ev.lora_id):
+            v: Any = None
+            if not _is_nil(raw):
+                try:
+                    v = _LORA.decode(_raw(raw))
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    v = "?"
+            out.append("" if v is None else str(v))
+        return out[0], out[1]
+
+    @staticmethod
+    def _first_extra(raw: Any, nb: int, lora: str = "") -> int:
+        """Index of the first block with extra keys (nb: none); unreadable counts as extra.
+        vLLM puts an adapter's name first in every block's extra keys: in the adapter's own
+        instance that one is not an extra key."""
         if _is_nil(raw):
             return nb
         try:
@@ -414,6 +444,8 @@ class Rekey:
         if not isinstance(extra, list):
             return 0
         for j, e in enumerate(extra[:nb]):
+            if lora and isinstance(e, list) and e and e[0] == lora:
+                e = e[1:]
             if e is not None and e != [] and e != ():
                 return j
         return nb
@@ -429,10 +461,11 @@ class Rekey:
         self.proven = ""
 
 
-def fingerprint(engine: str, e: int, k: int, groups: Iterable[int]) -> str:
-    """What a saved table must match to be loaded: engine, block sizes, groups (the scheme it
-    proved is saved beside it)."""
-    return f"{engine}|{e}|{k}|{','.join(map(str, sorted(groups)))}"
+def fingerprint(engine: str, e: int, k: int, groups: Iterable[int], lora_adapter: str = "") -> str:
+    """What a saved table must match to be loaded: engine, block sizes, groups, the adapter
+    served (the scheme it proved is saved beside it)."""
+    fp = f"{engine}|{e}|{k}|{','.join(map(str, sorted(groups)))}"
+    return f"{fp}|lora={lora_adapter}" if lora_adapter else fp
 
 
 # ---- the table in the checkpoint ----------------------------------------------------------------

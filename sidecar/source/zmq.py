@@ -804,9 +804,12 @@ class ZmqSource:
                 both=z.key_mode == "both",
                 capacity=z.key_table_entries,
                 sglang=z.engine == "sglang",
+                lora_adapter=z.lora_adapter,
             )
         self.table_path = self.ckpt_path + ".keys"
-        self.table_fp = fingerprint(z.engine, z.block_size, z.kvcm_block_tokens, self.required)
+        self.table_fp = fingerprint(
+            z.engine, z.block_size, z.kvcm_block_tokens, self.required, z.lora_adapter
+        )
         self.ckpt_at = 0.0  # clock() of the last checkpoint written (0: none yet)
         self.ckpt_seq = -2
         self.ckpt_errors: Counter[str] = Counter()

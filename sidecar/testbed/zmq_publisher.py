@@ -170,7 +170,9 @@ class _Schema:
         if encoding == "positional_v0":  # vLLM 0.9 / early SGLang: no medium, no dp rank
             stored = _struct("BlockStored", head, array_like=True)
             removed = _struct("BlockRemoved", [("block_hashes", list[Any])], array_like=True)
-            self.stored: Callable[..., Any] = lambda h, p, t, bs, lo, m, g: stored(h, p, t, bs, lo)
+            self.stored: Callable[..., Any] = lambda h, p, t, bs, lo, m, g, *_: stored(
+                h, p, t, bs, lo
+            )
             self.removed: Callable[..., Any] = lambda h, m, g: removed(h)
             batch = msgspec.defstruct(
                 "EventBatch", [("ts", float), ("events", list[Any])], array_like=True, gc=False
@@ -197,7 +199,10 @@ class _Schema:
                 [("block_hashes", list[Any]), ("medium", _OPT_STR), ("group_idx", _OPT_INT, None)],
                 array_like=arr,
             )
-            self.stored = lambda h, p, t, bs, lo, m, g: stored(h, p, t, bs, lo, m, None, None, g)
+            # (lora_name, extra_keys): vLLM 0.33 puts an adapter's name first in every block's
+            self.stored = lambda h, p, t, bs, lo, m, g, ln=None, ek=None: stored(
+                h, p, t, bs, lo, m, ln, ek, g
+            )
             self.removed = lambda h, m, g: removed(h, m, g)
             vbatch = msgspec.defstruct(
                 "EventBatch",
@@ -214,7 +219,7 @@ class _Schema:
                 [("block_hashes", list[Any]), ("medium", _OPT_STR, None)],
                 array_like=arr,
             )
-            self.stored = lambda h, p, t, bs, lo, m, g: stored(h, p, t, bs, lo, m)
+            self.stored = lambda h, p, t, bs, lo, m, g, *_: stored(h, p, t, bs, lo, m)
             self.removed = lambda h, m, g: removed(h, m)
             # SGLang's EventBatch has no omit_defaults: attn_dp_rank is always there, nil or int.
             sbatch = msgspec.defstruct(
@@ -227,6 +232,18 @@ class _Schema:
         cleared = _struct("AllBlocksCleared", [], array_like=arr)
         self.cleared: Callable[[], Any] = cleared
         self.array_like = arr
+
+
+def lora_extra_keys(
+    lora_name: str | None, extra_keys: list[Any] | None, token_ids: list[int] | None, bs: int
+) -> list[Any] | None:
+    """Each block's extra keys as vLLM 0.33 sends them: an adapter's name first (its hash
+    includes it), then whatever else the block has (a salt, an image)."""
+    if lora_name is None:
+        return extra_keys
+    n = len(token_ids or ()) // bs
+    rest = list(extra_keys or []) + [None] * n
+    return [[lora_name, *(rest[j] or [])] for j in range(n)]
 
 
 def _with_extra(event: Any, extra: dict[str, Any], array_like: bool) -> Any:
@@ -401,20 +418,26 @@ class Publisher:
         token_ids: list[int] | None = None,
         block_size: int | None = None,
         lora_id: int | None = None,
+        lora_name: str | None = None,
         extra: dict[str, Any] | None = None,
     ) -> list[int]:
         """Add a BlockStored to the current step; returns the keys (codec applied). With an
-        engine hash and no hashes given, the blocks are hashed from `token_ids` after `parent`."""
+        engine hash and no hashes given, the blocks are hashed from `token_ids` after `parent`.
+        A LoRA adapter's blocks (`lora_name`) carry its name in their extra keys, as vLLM's do,
+        and so hash apart from the base model's."""
         bs = self.cfg.block_size if block_size is None else block_size
         hashes = list(hashes)
         p = None if parent is None else self.normalize_hash(parent)
+        extra_keys = lora_extra_keys(lora_name, (extra or {}).get("extra_keys"), token_ids, bs)
         if not hashes and self.hasher is not None and token_ids:
-            extra_keys = (extra or {}).get("extra_keys")
             hashes = self.hasher.hashes(token_ids, bs, p, extra_keys)
         hs = self._event_hashes(hashes, "BlockStored", medium, group)
         if token_ids is None:
             token_ids = _TOKENS[: len(hs) * bs]
-        ev = self._schema.stored(hs, p, token_ids, bs, lora_id, medium, group)
+        if lora_name is not None and extra and "extra_keys" in extra:
+            extra = {k: v for k, v in extra.items() if k != "extra_keys"}  # in the event itself
+        ek = extra_keys if lora_name is not None else None
+        ev = self._schema.stored(hs, p, token_ids, bs, lora_id, medium, group, lora_name, ek)
         counted = bs == self.cfg.block_size
         return self._add_blocks(ev, extra, "s", medium, group, hs, counted)
 
@@ -1017,11 +1040,17 @@ class _Server:
         pub = self.pub
         if not hs and pub.hasher is not None and kw.get("token_ids"):  # hashed from the tokens
             p = kw.get("parent")
+            bs = kw.get("block_size") or pub.cfg.block_size
             hs = pub.hasher.hashes(
                 kw["token_ids"],
-                kw.get("block_size") or pub.cfg.block_size,
+                bs,
                 None if p is None else pub.normalize_hash(p),
-                (kw.get("extra") or {}).get("extra_keys"),
+                lora_extra_keys(
+                    kw.get("lora_name"),
+                    (kw.get("extra") or {}).get("extra_keys"),
+                    kw["token_ids"],
+                    bs,
+                ),
             )
         norm = [self.pub.normalize_hash(h) for h in hs]
         keys = self.pub.store(norm, **kw)
@@ -1146,8 +1175,8 @@ def serve(pub: Publisher, inp: Any = None, out: Any = None) -> None:
     Replies are {"ok": true, ...} or {"ok": false, "error": "..."} (the loop goes on).
     Hashes in JSON: ints (int kind) or hex strings (bytes kind); keys are the codec's int64.
 
-      store    {hashes?, n?, medium?, group?, parent?, block_size?, lora_id?, token_ids?,
-                extra?, step?}              -> {hashes, keys, seq?}   (n: fresh random hashes)
+      store    {hashes?, n?, medium?, group?, parent?, block_size?, lora_id?, lora_name?,
+                token_ids?, extra?, step?}         -> {hashes, keys, seq?} (n: fresh random hashes)
       remove   {hashes, medium?, group?, extra?, step?}           -> {keys, seq?}
       clear    {step?}                                            -> {seq?}
       step     {dp_rank?, force?, wait?=true}                     -> {seq}  (null: nothing)

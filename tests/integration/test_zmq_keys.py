@@ -25,25 +25,36 @@ async def api(h: Harness, route: str, body: dict[str, Any]) -> dict[str, Any]:
         return data
 
 
-def sidecar(h: Harness, pub: PublisherProcess, tmp: Path, host: str, **s: str) -> SidecarProc:
+def sidecar(
+    h: Harness,
+    pub: PublisherProcess,
+    tmp: Path,
+    host: str,
+    *,
+    instance: str = "",
+    subscribers: int = 1,
+    **s: str,
+) -> SidecarProc:
     r = pub.ready
     settings = {
         **h.settings,
         **ZMQ_SETTINGS,
         "source.zmq.endpoint": r["pub"],
         "source.zmq.replay_endpoint": r["replay"],
-        "source.state_dir": str(tmp / host.replace(":", "_")),
+        "source.state_dir": str(tmp / (host.replace(":", "_") + instance)),
         "source.zmq.block_size": "8",
         "source.zmq.key_mode": "rolling",
         "source.zmq.kvcm_block_size": "4",
         **s,
     }
     env = {**h.sidecar_env(), "KV_CACHE_EVENT_HOST_IP_PORT": host}
+    if instance:
+        env["KV_CACHE_EVENT_INSTANCE_ID"] = instance
     side = SidecarProc(env, settings)
     line = side.wait_line("http listening")
-    if host == h.host:  # h.status() / h.metrics() read this one
+    if host == h.host and not instance:  # h.status() / h.metrics() read this one
         h.metrics_port = int(json.loads(line)["msg"].rsplit(":", 1)[1])
-    pub.call("wait_subscribers", n=1)
+    pub.call("wait_subscribers", n=subscribers)
     return side
 
 
@@ -153,4 +164,60 @@ async def test_zmq_keys_rolling_table_survives_a_sidecar_restart(
         assert st["rekey"]["blocks_unkeyed"].get("unknown_parent", 0) == 0
     finally:
         side.close()
+        pub.close()
+
+
+async def test_zmq_keys_lora_adapter_reported_under_its_own_instance(
+    h: Harness, tmp_path: Path
+) -> None:
+    """One engine serving the base model and a LoRA adapter; the base model's sidecar and the
+    adapter's (source.zmq.lora_adapter, its own instance id) subscribe to the same stream. Each
+    instance holds exactly its own prefixes under token keys, and a router asking the adapter's
+    instance with token_ids finds the adapter's cached prefix, not the base model's."""
+    pub = PublisherProcess(engine_hash="vllm_default", block_size=8)
+    sql = f"{h.instance_id}-sql"
+    base = sidecar(h, pub, tmp_path, h.host)
+    adapter = sidecar(
+        h, pub, tmp_path, h.host, instance=sql, subscribers=2, **{"source.zmq.lora_adapter": "sql"}
+    )
+    try:
+        other = [(i * 13 + 5) % 5000 for i in range(16)]
+        pub.call("store", token_ids=PROMPT[:16], step=True)  # the base model: 2 blocks
+        first = pub.call("store", token_ids=PROMPT[:16], lora_name="sql", lora_id=1, step=True)
+        second = pub.call(
+            "store",
+            token_ids=PROMPT[16:],
+            parent=first["hashes"][-1],
+            lora_name="sql",
+            lora_id=1,
+            step=True,
+        )
+        pub.call("store", token_ids=other, lora_name="chat", lora_id=2, step=True)
+
+        async def held(instance: str) -> set[int]:
+            for r in (await h.debug())["reporters"]:
+                if r["instance_id"] == instance and r["host_ip_port"] == h.host:
+                    return {int(k) for k in r["visible_keys"]}
+            return set()
+
+        want_base = set(K.rolling_keys(PROMPT[:16], 4))
+        want_sql = set(K.rolling_keys(PROMPT, 4))
+        assert await until(lambda v: v == want_base, h.visible) == want_base
+        assert await until(lambda v: v == want_sql, lambda: held(sql)) == want_sql
+        loc = await api(
+            h,
+            "getCacheLocation",
+            {"instance_id": sql, "query_type": "QT_PREFIX_MATCH", "token_ids": PROMPT},
+        )
+        assert len(loc["locations"]) == 6  # the adapter's whole prompt, in its instance
+        unkeyed = (await h.status())["rekey"]["blocks_unkeyed"]  # the base model's sidecar
+        assert (unkeyed.get("lora"), unkeyed.get("tainted")) == (4, 1)
+        # the adapter's blocks go when the engine evicts them; the base model's stay
+        pub.call("remove", hashes=[first["hashes"][1], *second["hashes"]], step=True)
+        want_sql = set(K.rolling_keys(PROMPT[:8], 4))
+        assert await until(lambda v: v == want_sql, lambda: held(sql)) == want_sql
+        assert await h.visible() == want_base
+    finally:
+        adapter.close()
+        base.close()
         pub.close()

@@ -30,8 +30,10 @@ MI = {"GPU": 0, "CPU": 1}
 class Rig:
     """A Stream in a rolling key mode, fed batches in seq order."""
 
-    def __init__(self, e: int, k: int, *, both: bool = False, positional: bool = False) -> None:
-        self.e, self.k, self.positional = e, k, positional
+    def __init__(
+        self, e: int, k: int, *, both: bool = False, positional: bool = False, lora: str = ""
+    ) -> None:
+        self.e, self.k, self.positional, self.lora = e, k, positional, lora
         self.counts = BlockCounts(KeyState((0,)))
         self.s = Stream(
             EventDecoder(MI, e, 0, full=True),
@@ -40,7 +42,7 @@ class Rig:
             can_replay=False,
             replay_timeout_s=2.0,
         )
-        self.rekey = self.s.rekey = Rekey(e, k, both=both)
+        self.rekey = self.s.rekey = Rekey(e, k, both=both, lora_adapter=lora)
         self.s.key_check = KeyCheck(e, warn=False)
         self.seq = 0
 
@@ -126,6 +128,58 @@ def test_rekey_taints_lora_extra_keys_salt_and_descendants() -> None:
     assert r.held() == set(K.rolling_keys(list(range(4)), 4))  # m1 only
     u = r.rekey.unkeyed
     assert (u["lora"], u["extra_keys"], u["tainted"], u["group"]) == (1, 3, 1, 1)
+
+
+def test_rekey_lora_adapter_instance_reports_only_its_adapter_under_token_keys() -> None:
+    toks = list(range(1, 13))
+
+    def sql(r: Rig, hashes: list[int], tokens: list[int], parent: Any = None, **kw: Any) -> Any:
+        # as vLLM 0.33 sends it: the name first in every block's extra keys
+        extra = kw.pop("extra_keys", [["sql"]] * len(hashes))
+        return r.stored(hashes, tokens, parent, lora_name="sql", lora_id=7, extra_keys=extra)
+
+    r = Rig(4, 4, lora="sql")
+    r.send([r.stored([h("b1"), h("b2")], toks[:8])])  # the base model's: another instance's
+    r.send([sql(r, [h("a1"), h("a2")], toks[:8])])
+    r.send([sql(r, [h("a3")], toks[8:], parent=h("a2"))])  # chains through the adapter's parent
+    chat = r.stored([h("c1")], toks[:4], lora_name="chat", lora_id=8, extra_keys=[["chat"]])
+    r.send([chat])
+    salted = sql(r, [h("s1")], toks[:4], extra_keys=[["sql", "salt"]])
+    r.send([salted, r.stored([h("s2")], toks[4:8], h("s1"), lora_name="sql")])
+    assert r.held() == set(K.rolling_keys(toks, 4))  # the base model's keys, in their instance
+    u = r.rekey.unkeyed
+    assert (u["other_instance"], u["extra_keys"], u["tainted"], u["lora"]) == (3, 1, 1, 0)
+    r.send([r.removed([h("a3"), h("b2")])])
+    assert r.held() == set(K.rolling_keys(toks[:8], 4))
+    assert r.rekey.status()["lora_adapter"] == "sql"
+
+    by_id = Rig(4, 4, lora="7")  # a release that sends only lora_id
+    by_id.send([by_id.stored([h("i1")], toks[:4], lora_id=7)])
+    by_id.send([by_id.stored([h("i2")], toks[:4], lora_id=9)])
+    assert by_id.held() == set(K.rolling_keys(toks[:4], 4))
+
+    base = Rig(4, 4)  # the base model's sidecar: the adapter's blocks are not reported there
+    base.send([sql(base, [h("a1"), h("a2")], toks[:8])])
+    assert base.held() == set() and base.rekey.unkeyed["lora"] == 2
+
+
+def test_lora_adapter_config_needs_rolling_and_vllm() -> None:
+    from sidecar.config import ConfigError, load
+
+    env = {
+        "KV_CACHE_EVENT_SOURCE": "zmq",
+        "KV_CACHE_EVENT_ZMQ_ENDPOINT": "tcp://*:5557",
+        "KV_CACHE_EVENT_MANAGER_ENDPOINT": "http://127.0.0.1:6382",
+        "KV_CACHE_EVENT_INSTANCE_ID": "m-sql",
+        "KV_CACHE_EVENT_HOST_IP_PORT": "127.0.0.1:8000",
+        "KV_CACHE_EVENT_ZMQ_LORA_ADAPTER": "sql",
+    }
+    with pytest.raises(ConfigError, match=r"source.zmq.lora_adapter 'sql' needs .*rolling"):
+        load(env=env)
+    env["KV_CACHE_EVENT_ZMQ_KEY_MODE"] = "rolling"
+    assert load(env=env).source.zmq.lora_adapter == "sql"
+    with pytest.raises(ConfigError, match=r"lora_adapter 'sql': SGLang"):
+        load(env={**env, "KV_CACHE_EVENT_ZMQ_ENGINE": "sglang"})
 
 
 def test_rekey_malformed_is_counted_and_nothing_else_lost() -> None:
@@ -245,6 +299,7 @@ class Model:
         self.copies: dict[Any, int] = {}  # block id -> copies the engine holds
         self.reported: dict[Any, int] = {}  # block id -> copies stored under a key
         self.known: set[Any] = set()  # blocks whose key the sidecar can prove
+        self.serves = ""  # the namespace whose instance this sidecar reports ("lora": adapter)
 
     def bid(self, doc: int, i: int, ns: str) -> tuple[str, tuple[int, ...]]:
         return (ns, tuple(self.docs[doc][: (i + 1) * self.e]))
@@ -261,7 +316,9 @@ class Model:
 
     def truth(self) -> set[int]:
         """The rolling keys of every untainted prefix the engine holds (nothing wrong may show)."""
-        return {k for b, n in self.copies.items() if n > 0 and b[0] == "" for k in self.keys(b)}
+        return {
+            k for b, n in self.copies.items() if n > 0 and b[0] == self.serves for k in self.keys(b)
+        }
 
 
 @settings(max_examples=80, deadline=None)
@@ -270,16 +327,19 @@ class Model:
     ratio=st.sampled_from([(4, 4), (1, 4), (4, 1), (2, 8), (8, 2)]),
     ops=st.lists(OP, min_size=6, max_size=30),
     positional=st.booleans(),
+    adapter=st.sampled_from(["", "", "adapter"]),
 )
 def test_rekey_manager_holds_exactly_the_provable_rolling_keys(
-    data: st.DataObject, ratio: tuple[int, int], ops: list[Any], positional: bool
+    data: st.DataObject, ratio: tuple[int, int], ops: list[Any], positional: bool, adapter: str
 ) -> None:
+    """The base model's sidecar, or (adapter) the sidecar of the LoRA adapter's own instance."""
     e, k = ratio
     docs = [
         data.draw(st.lists(st.integers(1, 2), min_size=7 * e, max_size=7 * e)) for _ in range(4)
     ]
     m = Model(docs, e, k)
-    r = Rig(e, k, positional=positional)
+    m.serves = "lora" if adapter else ""
+    r = Rig(e, k, positional=positional, lora=adapter)
     for op, arg in ops:
         if op == "restart":
             r, m = _restart(r, m, with_checkpoint=arg)
@@ -307,8 +367,9 @@ def test_rekey_manager_holds_exactly_the_provable_rolling_keys(
             part = blocks[lo:hi]
             toks = docs[doc][(first + lo) * e : (first + hi) * e]
             kw: dict[str, Any] = {}
-            if flag == "lora":
+            if flag == "lora":  # vLLM 0.33: the name, and first in every block's extra keys
                 kw["lora_name"] = "adapter"
+                kw["extra_keys"] = [["adapter"]] * len(part)
             elif flag == "salt" and first + lo == 0:
                 kw["extra_keys"] = [["salt"]] + [None] * (len(part) - 1)
             elif flag == "extra":
@@ -317,7 +378,7 @@ def test_rekey_manager_holds_exactly_the_provable_rolling_keys(
             parent = h(part[-1])
             for b in part:
                 m.copies[b] = m.copies.get(b, 0) + 1
-                if ns == "" and (chain or b in m.known):
+                if ns == m.serves and (chain or b in m.known):
                     m.known.add(b)
                     m.reported[b] = m.reported.get(b, 0) + 1
                     chain = True
@@ -339,7 +400,7 @@ def test_rekey_manager_holds_exactly_the_provable_rolling_keys(
 def _restart(r: Rig, m: Model, *, with_checkpoint: bool) -> tuple[Rig, Model]:
     """A sidecar restart: a new Stream, with the counts and the key table loaded (as the
     checkpoint does) or from nothing (a late join: every held block is unprovable)."""
-    r2 = Rig(r.e, r.k, positional=r.positional)
+    r2 = Rig(r.e, r.k, positional=r.positional, lora=r.lora)
     if with_checkpoint:
         with tempfile.TemporaryDirectory() as d:
             path = str(Path(d) / "t.keys")
@@ -349,7 +410,7 @@ def _restart(r: Rig, m: Model, *, with_checkpoint: bool) -> tuple[Rig, Model]:
             r2.counts.load(medium, group, keys, counts)
         return r2, m
     m2 = Model(m.docs, m.e, m.k)
-    m2.copies = dict(m.copies)
+    m2.copies, m2.serves = dict(m.copies), m.serves
     return r2, m2
 
 
