@@ -29,7 +29,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ import aiohttp
 
 from sidecar.child import Proc, spawn
 from sidecar.testbed.fault_proxy import FaultProxy
+from sidecar.testbed.ports import free_port
 
 SOURCES = ("ring", "plain", "c", "vllm", "sglang")
 ZMQ_KVCM_MEDIUM = {"GPU": "hbm", "CPU": "mem", "CPU_PINNED": "mem", "DISK": "disk"}
@@ -141,13 +141,6 @@ def schedule(
         out.append(Fault(round(t, 3), min(hold, max(duration - t, 0.0)), kind, target, detail))
         t += rng.uniform(0.4, 1.6)
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 # ---- the world ---------------------------------------------------------------------------
@@ -511,6 +504,7 @@ class Run:
         self.rng_work = random.Random(self.seed ^ 0x5EED)
         self.c_engine: Path | None = None
         self.t0 = 0.0
+        self.started = False  # the world is up and the nemesis may begin (main() retries before)
         self.violations: list[Violation] = []
         self.injected: dict[str, int] = {}
         self.active: list[tuple[float, float, str]] = []  # (start, end, target) of faults
@@ -915,6 +909,7 @@ class Run:
         async with aiohttp.ClientSession() as s:
             try:
                 await self.setup()
+                self.started = True
                 self.t0 = time.monotonic()
                 work = [asyncio.create_task(self.workload(h)) for h in self.hosts.values()]
                 sampler = asyncio.create_task(self.sampler(s))
@@ -980,11 +975,21 @@ def main(argv: list[str] | None = None) -> int:
     first = args.seed
     for seed in range(first, first + args.seeds):
         args.seed = seed
-        root = Path(tempfile.mkdtemp(prefix=f"kvcm-chaos-{seed}-"))
-        try:
-            summaries.append(asyncio.run(Run(args, root).main()))
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
+        for attempt in range(3):
+            root = Path(tempfile.mkdtemp(prefix=f"kvcm-chaos-{seed}-"))
+            run = Run(args, root)
+            try:
+                summaries.append(asyncio.run(run.main()))
+                break
+            except (OSError, EOFError, TimeoutError) as exc:
+                # A world that could not start (a port another process took between its pick
+                # and its bind) is not a finding: the seed runs again on new ports. Once the
+                # nemesis has begun, nothing is retried.
+                if run.started or attempt == 2:
+                    raise
+                run.say(setup_retry={"seed": seed, "error": repr(exc)})
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
     if args.json:
         args.json.write_text(json.dumps(summaries if args.seeds > 1 else summaries[0], indent=1))
     return 1 if any(s["violations"] for s in summaries) else 0

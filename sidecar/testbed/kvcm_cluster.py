@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,18 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.shm_ring.segment import unlink
+from sidecar.testbed.ports import free_port
 from sidecar.testbed.proc import ROOT, EngineProc, Lines
 
 REDIS = shutil.which("redis-server") or (
     "/usr/bin/redis-server" if os.path.exists("/usr/bin/redis-server") else None
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class RedisProc:

@@ -31,11 +31,11 @@ from sidecar.testbed.kvcm_cluster import (
     RedisProc,
     Workload,
     converged,
-    free_port,
     leader_of,
     post,
     until,
 )
+from sidecar.testbed.ports import free_port
 from sidecar.testbed.proc import ROOT
 from tests.integration.harness import SIDECAR_SETTINGS, Harness
 
