@@ -8,6 +8,7 @@ line with `"stats": true` only updates `last` (progress displays read it). Every
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import os
 import signal
@@ -20,6 +21,10 @@ import aiohttp
 PY = sys.executable
 
 
+class ChildExited(EOFError):
+    """A child process ended before printing what it was expected to."""
+
+
 @dataclass
 class Proc:
     name: str
@@ -27,10 +32,17 @@ class Proc:
     lines: asyncio.Queue[dict[str, Any] | str] = field(default_factory=asyncio.Queue)
     last: dict[str, Any] = field(default_factory=dict)
     new_stats: asyncio.Event = field(default_factory=asyncio.Event)  # set at each `last` update
+    eof: asyncio.Event = field(default_factory=asyncio.Event)  # its stdout closed (it exited)
 
     async def pump(self) -> None:
         assert self.p.stdout is not None
-        async for raw in self.p.stdout:
+        try:
+            await self._pump(self.p.stdout)
+        finally:
+            self.eof.set()
+
+    async def _pump(self, stdout: asyncio.StreamReader) -> None:
+        async for raw in stdout:
             text = raw.decode(errors="replace").strip()
             try:
                 obj = json.loads(text)
@@ -43,11 +55,28 @@ class Proc:
                 await self.lines.put(obj)
 
     async def expect(self, pred: Any, within_s: float = 30.0) -> Any:
+        """The first line matching `pred`; raises ChildExited at once if the child ends first
+        (with the lines it printed meanwhile), TimeoutError after `within_s`."""
+        skipped: collections.deque[Any] = collections.deque(maxlen=12)
         async with asyncio.timeout(within_s):
             while True:
-                item = await self.lines.get()
+                if self.lines.empty() and self.eof.is_set():
+                    rc = await self.p.wait()
+                    raise ChildExited(
+                        f"{self.name} exited (rc={rc}) before the line expected of it;"
+                        f" its last lines: {list(skipped)}"
+                    )
+                get = asyncio.ensure_future(self.lines.get())
+                ended = asyncio.ensure_future(self.eof.wait())
+                await asyncio.wait({get, ended}, return_when=asyncio.FIRST_COMPLETED)
+                ended.cancel()
+                if not get.done():
+                    get.cancel()
+                    continue
+                item = get.result()
                 if pred(item):
                     return item
+                skipped.append(item)
 
     async def send(self, text: str) -> None:
         assert self.p.stdin is not None
