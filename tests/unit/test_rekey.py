@@ -169,7 +169,9 @@ def test_rekey_table_is_bounded_lru_and_spares_held_blocks() -> None:
         r.send([r.stored([ks[i]], [i])])
         r.send([r.removed([ks[i]])])  # not held: may go
     assert r.rekey.table.n <= 8 and r.rekey.table.evictions >= 12
-    assert ks[0] in r.rekey.table.groups[0]  # held: kept, so its removal finds its key
+    assert (
+        r.rekey.table.get(0, K.engine_key(ks[0])) is not None
+    )  # held: kept, so its removal finds its key
     r.send([r.removed([ks[0]])])
     assert r.held() == set()
 
@@ -447,4 +449,4 @@ def test_rekey_engine_restart_drops_the_table_unless_a_seeded_scheme_was_proven(
     r.seq = 0  # the engine restarted: its seq starts again
     r.send([r.stored([h("z")], [6, 6, 6, 6])])
     assert r.s.restarts == 1
-    assert (K.engine_key(hs[0]) in r.rekey.table.groups.get(0, {})) is seeded
+    assert (r.rekey.table.get(0, K.engine_key(hs[0])) is not None) is seeded
