@@ -21,6 +21,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <structmember.h>
 #include <sys/mman.h>
 
 #include "rolling.h"
@@ -63,8 +64,7 @@ typedef struct {
 #define EXTRAS(s) ((int64_t *)((s) + 1))
 #define GROUP_OF(m) ((int)(((m) & M_GROUP) >> M_GROUP_SHIFT))
 
-static PyObject *s_token_ids, *s_parent, *s_lora_id, *s_lora_name, *s_extra_keys, *s_kind,
-    *s_block_size, *py_64;
+static PyObject *py_64;
 
 static inline size_t home(const KT *t, int g, int64_t key, size_t nslots) {
     uint64_t h = ((uint64_t)key ^ ((uint64_t)g << 57)) * HOME_MIX;
@@ -89,7 +89,12 @@ static Py_ssize_t kt_find(const KT *t, int g, int64_t key) {
 }
 
 static char *map_slots(size_t bytes) {
+#ifdef MAP_POPULATE /* the pages at once, not one fault each: the rehash writes all of them */
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
+                   -1, 0);
+#else
     void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+#endif
     return p == MAP_FAILED ? NULL : (char *)p;
 }
 
@@ -99,7 +104,7 @@ static int kt_reserve(KT *t) {
     if ((size_t)(t->n + 1) * 4 <= t->nslots * 3) return 0;
     size_t need = ((size_t)(t->n + 1) * 4 + 2) / 3 + 1;
     size_t cap = ((size_t)t->capacity * 4 + 2) / 3 + 1;
-    size_t want = t->nslots + t->nslots / 4;
+    size_t want = t->nslots + t->nslots / 2;
     if (want < 64) want = 64;
     if (want < need) want = need;
     if (t->nslots < cap && want > cap && cap >= need) want = cap;
@@ -536,14 +541,55 @@ static inline int mp_array(const uint8_t **pp, const uint8_t *end, Py_ssize_t *n
     return 1;
 }
 
+/* The event struct's fields by their slot offsets (msgspec Structs keep fields in member
+ * slots): found once per struct type, read as one load each (PyObject_GetAttr cost ~10 % of the
+ * re-keying). A type whose field is not a plain object slot is read with getattr. */
+enum { F_TOKENS, F_PARENT, F_LORA_ID, F_LORA_NAME, F_EXTRA, F_KIND, F_BSIZE, F_N };
+static PyObject *f_names[F_N];
+#define F_TYPES 8
+static struct {
+    PyTypeObject *type; /* a strong reference */
+    Py_ssize_t off[F_N]; /* -1: getattr */
+} f_cache[F_TYPES];
+
+static const Py_ssize_t *field_offsets(PyTypeObject *tp) {
+    int free_at = -1;
+    for (int c = 0; c < F_TYPES; c++) {
+        if (f_cache[c].type == tp) return f_cache[c].off;
+        if (f_cache[c].type == NULL && free_at < 0) free_at = c;
+    }
+    if (free_at < 0) return NULL; /* more struct types than expected: getattr */
+    for (int f = 0; f < F_N; f++) {
+        f_cache[free_at].off[f] = -1;
+        PyObject *d = _PyType_Lookup(tp, f_names[f]); /* borrowed */
+        if (d != NULL && Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+            PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+            if (m->type == T_OBJECT_EX && !(m->flags & PY_AUDIT_READ))
+                f_cache[free_at].off[f] = m->offset;
+        }
+    }
+    Py_INCREF(tp);
+    f_cache[free_at].type = tp;
+    return f_cache[free_at].off;
+}
+
+/* field f of ev (off: its type's field_offsets), a new reference; NULL: absent (no error set) */
+static PyObject *field(PyObject *ev, const Py_ssize_t *off, int f) {
+    if (off != NULL && off[f] >= 0) {
+        PyObject *o = *(PyObject **)((char *)ev + off[f]);
+        Py_XINCREF(o);
+        return o;
+    }
+    PyObject *o = PyObject_GetAttr(ev, f_names[f]);
+    if (o == NULL) PyErr_Clear();
+    return o;
+}
+
 /* A field of the event struct (a msgspec.Raw) as bytes: 1 nil (absent, empty or msgpack nil),
  * 0 a value (view filled: release it), -1 not readable here (error cleared). */
-static int raw_field(PyObject *ev, PyObject *name, Py_buffer *view) {
-    PyObject *o = PyObject_GetAttr(ev, name);
-    if (o == NULL) {
-        PyErr_Clear();
-        return -1;
-    }
+static int raw_field(PyObject *ev, const Py_ssize_t *off, int f, Py_buffer *view) {
+    PyObject *o = field(ev, off, f);
+    if (o == NULL) return -1;
     if (o == Py_None) {
         Py_DECREF(o);
         return 1;
@@ -563,12 +609,9 @@ static int raw_field(PyObject *ev, PyObject *name, Py_buffer *view) {
 
 /* rekey.py _full_attention for an ASCII kind: None, or "full" / "mla" in it, any case.
  * 1 full, 0 hand back (not full, or not ASCII), -1 unreadable (hand back). */
-static int full_kind(PyObject *ev) {
-    PyObject *o = PyObject_GetAttr(ev, s_kind);
-    if (o == NULL) {
-        PyErr_Clear();
-        return 1; /* getattr(ev, "kv_cache_spec_kind", None) */
-    }
+static int full_kind(PyObject *ev, const Py_ssize_t *off) {
+    PyObject *o = field(ev, off, F_KIND);
+    if (o == NULL) return 1; /* getattr(ev, "kv_cache_spec_kind", None) */
     int ok = 0;
     if (o == Py_None) {
         ok = 1;
@@ -667,26 +710,24 @@ static int stored(KT *t, const Params *P, PyObject *ev, int g, const int64_t *en
         return 1;
     }
     /* what rekey.py decides on its own: hand back */
-    if (full_kind(ev) != 1) return 0;
-    PyObject *bs = PyObject_GetAttr(ev, s_block_size);
-    if (bs == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
+    const Py_ssize_t *off = field_offsets(Py_TYPE(ev));
+    if (full_kind(ev, off) != 1) return 0;
+    PyObject *bs = field(ev, off, F_BSIZE);
+    if (bs == NULL) return 0;
     long size = bs == Py_None ? 0 : PyLong_Check(bs) ? PyLong_AsLong(bs) : -1;
     Py_DECREF(bs);
     if (size == -1 && PyErr_Occurred()) PyErr_Clear();
     if (size != 0 && size != P->e) return 0;
     Py_buffer v;
-    int r = raw_field(ev, s_lora_id, &v);
+    int r = raw_field(ev, off, F_LORA_ID, &v);
     if (r != 1) {
         if (r == 0) PyBuffer_Release(&v);
         return 0;
     }
-    r = raw_field(ev, s_lora_name, &v);
+    r = raw_field(ev, off, F_LORA_NAME, &v);
     if (r == 0) PyBuffer_Release(&v);
     if (r == 0) return 0; /* absent (-1) is getattr's None */
-    r = raw_field(ev, s_extra_keys, &v);
+    r = raw_field(ev, off, F_EXTRA, &v);
     if (r == 0) { /* an array whose first nb items are nil or empty: no extra keys */
         const uint8_t *p = v.buf, *end = p + v.len;
         Py_ssize_t nx;
@@ -700,7 +741,7 @@ static int stored(KT *t, const Params *P, PyObject *ev, int g, const int64_t *en
     }
     int has_parent = 0;
     int64_t pkey = 0;
-    r = raw_field(ev, s_parent, &v);
+    r = raw_field(ev, off, F_PARENT, &v);
     if (r < 0) return 0;
     if (r == 0) {
         const uint8_t *p = v.buf, *end = p + v.len;
@@ -725,7 +766,7 @@ static int stored(KT *t, const Params *P, PyObject *ev, int g, const int64_t *en
         pkey = (int64_t)u;
     }
     if (!has_parent && P->sglang) return 0; /* a root page: the salted-root check is rekey.py's */
-    r = raw_field(ev, s_token_ids, &v);
+    r = raw_field(ev, off, F_TOKENS, &v);
     if (r != 0) return 0; /* tokenless, or unreadable */
     {
         const uint8_t *p = v.buf, *end = p + v.len;
@@ -884,7 +925,19 @@ static PyObject *kt_rekey(KT *t, PyObject *args) {
         if (vom.len / 1 < o.room) o.room = vom.len;
         if (vog.len < o.room) o.room = vog.len;
         if (vos.len < o.room) o.room = vos.len;
+        /* the table outgrows the caches: its slots are fetched two events ahead */
+        Py_ssize_t pf_i = i, pf_blk = blk;
         for (; i < end; i++) {
+            for (; pf_i < end && pf_i <= i + 2; pf_i++) {
+                Py_ssize_t pn = (Py_ssize_t)counts[pf_i];
+                if (pn <= 0) continue;
+                int pg = (int)((codes[pf_i] >> 1) & 0x3F);
+                if (t->nslots && pf_blk + pn <= nkeys)
+                    for (Py_ssize_t j = 0; j < pn; j++)
+                        __builtin_prefetch(SLOT(t, home(t, pg, keys[pf_blk + j], t->nslots)));
+                pf_blk += pn;
+                if (codes[pf_i] & 1) __builtin_prefetch(PyList_GET_ITEM(events, pf_i));
+            }
             Py_ssize_t n = (Py_ssize_t)counts[i];
             if (n <= 0) continue;
             if (blk + n > nkeys) {
@@ -1012,17 +1065,13 @@ static PyTypeObject KeyTableType = {
 /* Called by _accel.c's module init: adds KeyTable. 0, or -1 with an exception set. */
 int kvcm_rekey_add(PyObject *mod) {
     if (py_64 == NULL) {
+        static const char *names[F_N] = {"token_ids",  "parent_block_hash",  "lora_id",
+                                         "lora_name",  "extra_keys", "kv_cache_spec_kind",
+                                         "block_size"};
         py_64 = PyLong_FromLong(64);
-        s_token_ids = PyUnicode_InternFromString("token_ids");
-        s_parent = PyUnicode_InternFromString("parent_block_hash");
-        s_lora_id = PyUnicode_InternFromString("lora_id");
-        s_lora_name = PyUnicode_InternFromString("lora_name");
-        s_extra_keys = PyUnicode_InternFromString("extra_keys");
-        s_kind = PyUnicode_InternFromString("kv_cache_spec_kind");
-        s_block_size = PyUnicode_InternFromString("block_size");
-        if (!py_64 || !s_token_ids || !s_parent || !s_lora_id || !s_lora_name || !s_extra_keys ||
-            !s_kind || !s_block_size)
-            return -1;
+        if (py_64 == NULL) return -1;
+        for (int f = 0; f < F_N; f++)
+            if ((f_names[f] = PyUnicode_InternFromString(names[f])) == NULL) return -1;
     }
     if (PyType_Ready(&KeyTableType) < 0) return -1;
     return PyModule_AddObjectRef(mod, "KeyTable", (PyObject *)&KeyTableType);
