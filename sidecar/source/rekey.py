@@ -47,6 +47,7 @@ _H_SHIFT, _P_SHIFT, _E_SHIFT = 64, 96, 120
 _HELD_MAX = (1 << 24) - 1
 _P_MASK = (1 << 24) - 1
 PENDING_MAX = _P_MASK  # KVCM block sizes above this do not fit an entry (Rekey refuses them)
+C_DOWN_MAX = 64  # the C table's KVCM keys per engine block at most (1:n); beyond, this form
 _TAINT = 1 << 88
 _HELD = _HELD_MAX << _H_SHIFT
 _EPOCH = 0xFF << _E_SHIFT
@@ -303,7 +304,7 @@ class Rekey:
         a = compiled.accel
         self.table: Table = (
             cast(Table, a.KeyTable(capacity, self.down))
-            if a is not None
+            if a is not None and self.down <= C_DOWN_MAX
             else KeyTable(capacity, self.down)
         )
         # Blocks unkeyed per reason (REASONS' order), then blocks keyed: one array, so the C

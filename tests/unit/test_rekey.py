@@ -374,6 +374,18 @@ def test_rekey_block_sizes_without_a_whole_ratio_are_a_config_error_naming_both(
     assert cfg.source.zmq.key_mode == "rolling" and cfg.source.zmq.kvcm_block_tokens == 64
     cfg = load(env={**env, "KV_CACHE_EVENT_KVCM_BLOCK_SIZE": "0"})
     assert cfg.source.zmq.kvcm_block_tokens == 16  # defaults to the engine's
+    with pytest.raises(ConfigError, match=r"kvcm_block_size 16777216 must be at most"):
+        load(env={**env, "KV_CACHE_EVENT_KVCM_BLOCK_SIZE": str(1 << 24)})  # an entry's pending
+
+
+def test_rekey_one_to_many_beyond_the_c_table_uses_the_python_form() -> None:
+    from sidecar.source.rekey import C_DOWN_MAX, KeyTable
+
+    r = Rig(2 * C_DOWN_MAX, 1)  # 128 KVCM keys per engine block
+    assert isinstance(r.rekey.table, KeyTable)
+    toks = list(range(2 * C_DOWN_MAX))
+    r.send([r.stored([h("big")], toks)])
+    assert r.held() == set(K.rolling_keys(toks, 1))
 
 
 def test_engine_hash_emulator_hashes_as_vllm_and_sglang_do() -> None:
