@@ -1,4 +1,5 @@
-"""The one compiled part: sidecar/shm_ring/_accel.c (KeyIndex's probe loop, the resident fold).
+"""The one compiled part: sidecar/shm_ring/_accel.c (KeyIndex's probe loop, the resident fold),
+with _rekey.c (the rolling key table, issue #22) compiled into the same module.
 
 Everything else is in pyproject.toml. `optional=True`: without a C compiler or Python's headers
 the install still succeeds and the numpy probes in key_index.py / resident.py run instead
@@ -9,6 +10,11 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("sidecar.shm_ring._accel", ["sidecar/shm_ring/_accel.c"], optional=True),
+        Extension(
+            "sidecar.shm_ring._accel",
+            ["sidecar/shm_ring/_accel.c", "sidecar/shm_ring/_rekey.c"],
+            depends=["sidecar/shm_ring/rolling.h"],
+            optional=True,
+        ),
     ]
 )

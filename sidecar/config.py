@@ -110,7 +110,7 @@ class ZmqConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
     key_mode: Literal["engine", "rolling", "both"] = "engine"
     # KVCM's tokens per block in rolling/both (0: block_size): block_size * n or block_size / n
     kvcm_block_size: Annotated[int, Meta(ge=0)] = 0
-    key_table_entries: PosInt = 4_194_304  # rolling: (group, engine hash) -> state, LRU bound
+    key_table_entries: PosInt = 4_194_304  # rolling: (group, engine hash) -> state; bound (~LRU)
     router_hash_seed: str = "0"  # the key check's vllm_sha256_cbor seed (FlexLB's default "0")
     # rolling: report only this LoRA adapter's blocks (its lora_name, or its lora_id), under
     # this sidecar's own instance id; empty: the base model's blocks (LoRA ones are not reported)
@@ -269,6 +269,8 @@ def _check_zmq(z: ZmqConfig) -> None:
             f"source.zmq.kvcm_block_size {k} must be the engine's block size {e} times or "
             "divided by a whole number"
         )
+    if z.key_mode != "engine" and k > 16_777_215:  # rekey.PENDING_MAX: an entry's 24 bits
+        raise ValueError(f"source.zmq.kvcm_block_size {k} must be at most 16777215 tokens")
     if z.lora_adapter and z.key_mode != "rolling":
         raise ValueError(
             f"source.zmq.lora_adapter {z.lora_adapter!r} needs source.zmq.key_mode=rolling (an "

@@ -133,7 +133,10 @@ METRICS: dict[str, tuple[str, str]] = {
         "Stored blocks not reported under a rolling key (key_mode rolling/both), by reason.",
     ),
     "kvcm_sidecar_key_table_entries": ("gauge", "Engine hash -> rolling state entries."),
-    "kvcm_sidecar_key_table_evictions": ("counter", "Key table entries evicted (LRU)."),
+    "kvcm_sidecar_key_table_evictions": (
+        "counter",
+        "Key table entries evicted (by epochs, approximately LRU).",
+    ),
 }
 # Exported only with that source (source.kind); the rest always.
 RING_ONLY = frozenset(

@@ -20,10 +20,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "rolling.h"
+
 /* Raised with every change to a signature or behaviour here; compiled.py uses the module only
  * if it equals its own ACCEL_ABI, so a stale in-place build is never called with the wrong
  * arguments (it falls back to the numpy / Python forms instead). */
-#define ACCEL_ABI 10
+#define ACCEL_ABI 11
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 /* Must equal sidecar/shm_ring/layout.py's KIND_STORED / KIND_REMOVED (a test compares). */
 #define KIND_STORED 1
@@ -751,16 +753,19 @@ static PyObject *rolling(PyObject *self, PyObject *args) {
     const uint64_t *t = (const uint64_t *)vt.buf;
     int64_t *out = (int64_t *)vo.buf;
     uint64_t h = (uint64_t)h0;
-    Py_ssize_t k = 0, p = pending;
-    for (Py_ssize_t i = 0; i < nt; i++) {
-        /* arithmetic shift of the signed view; sums mod 2^64 */
-        uint64_t sh = (uint64_t)((int64_t)h >> 32);
-        h ^= t[i] + GOLDEN + (h << 12) + sh;
+    Py_ssize_t k = 0, p = pending, i = 0;
+    for (; i < nt && p; i++) { /* the rest of a partial block */
+        h = kvcm_roll_step(h, t[i]);
         if (++p == bs) {
             out[k++] = (int64_t)h;
             p = 0;
         }
     }
+    for (; i + bs <= nt; i += bs) { /* whole blocks: no boundary test per token */
+        h = kvcm_roll_block(h, t + i, bs);
+        out[k++] = (int64_t)h;
+    }
+    for (; i < nt; i++, p++) h = kvcm_roll_step(h, t[i]); /* a partial last block */
     PyBuffer_Release(&vt);
     PyBuffer_Release(&vo);
     return Py_BuildValue("Lnn", (long long)(int64_t)h, p, k);
@@ -795,8 +800,7 @@ static PyObject *roll_list(PyObject *self, PyObject *args) {
             Py_DECREF(keys);
             return NULL;
         }
-        uint64_t sh = (uint64_t)((int64_t)h >> 32);
-        h ^= t + GOLDEN + (h << 12) + sh;
+        h = kvcm_roll_step(h, t);
         if (++p == bs) {
             PyObject *key = PyLong_FromLongLong((long long)(int64_t)h);
             if (key == NULL) {
@@ -821,6 +825,10 @@ static PyMethodDef methods[] = {
     {"roll_list", roll_list, METH_VARARGS, "roll_list(tokens, block_size, h, pending) -> (h, pending, [keys])"},
     {NULL, NULL, 0, NULL},
 };
+
+/* The rolling key table and the re-keying (issue #22 §5) live in _rekey.c, compiled into this
+ * module: it adds its type here. */
+int kvcm_rekey_add(PyObject *mod);
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_accel", NULL, -1, methods};
 
@@ -868,6 +876,10 @@ PyMODINIT_FUNC PyInit__accel(void) {
         PyModule_AddIntConstant(mod, "AFTER_POST", AFTER_POST) < 0 ||
         PyModule_AddIntConstant(mod, "AFTER_FOLD", AFTER_FOLD) < 0 ||
         PyModule_AddIntConstant(mod, "ABI", ACCEL_ABI) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
+    if (kvcm_rekey_add(mod) < 0) {
         Py_DECREF(mod);
         return NULL;
     }

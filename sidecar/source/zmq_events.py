@@ -317,6 +317,7 @@ class EventDecoder:
         if dp_rank is not None and self.dp_rank is not None and dp_rank != self.dp_rank:
             return out
         seg = Segment()
+        hashes, codes, kept = seg.hashes, seg.codes, seg.events
         known = self._codes
         for ev in events:
             what = (type(ev), ev.medium, ev.group_idx, ev.block_size)
@@ -324,18 +325,19 @@ class EventDecoder:
             if code is None:
                 code = self._code(what)
             if code >= 0:
-                seg.hashes.append(ev.block_hashes)
-                seg.codes.append(code)
-                seg.events.append(ev)
+                hashes.append(ev.block_hashes)
+                codes.append(code)
+                kept.append(ev)
             elif code == _CLEAR:
-                if seg.codes:
+                if codes:
                     out.parts.append(seg)
                     seg = Segment()
+                    hashes, codes, kept = seg.hashes, seg.codes, seg.events
                 out.parts.append(CLEARED)
                 self.cleared += 1
             else:
                 self._drop(_DROPPED[code])
-        if seg.codes:
+        if codes:
             out.parts.append(seg)
         return out
 

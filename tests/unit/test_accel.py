@@ -156,10 +156,11 @@ def test_accel_is_built_from_the_current_source() -> None:
     # An in-place build (pip install -e, what scripts/test runs) older than _accel.c is a stale
     # module: the tests would pass or fail for code that is not in the tree.
     assert accel is not None and accel.__file__ is not None
-    src = Path(key_index.__file__).with_name("_accel.c")
     built = Path(accel.__file__)
-    if src.is_file() and built.parent == src.parent:
-        assert built.stat().st_mtime >= src.stat().st_mtime, "rebuild: scripts/test (pip -e)"
+    for name in ("_accel.c", "_rekey.c", "rolling.h"):  # the module's sources (setup.py)
+        src = Path(key_index.__file__).with_name(name)
+        if src.is_file() and built.parent == src.parent:
+            assert built.stat().st_mtime >= src.stat().st_mtime, f"rebuild {name}: scripts/test"
 
 
 @needs_c

@@ -223,7 +223,9 @@ def test_rekey_table_is_bounded_lru_and_spares_held_blocks() -> None:
         r.send([r.stored([ks[i]], [i])])
         r.send([r.removed([ks[i]])])  # not held: may go
     assert r.rekey.table.n <= 8 and r.rekey.table.evictions >= 12
-    assert ks[0] in r.rekey.table.groups[0]  # held: kept, so its removal finds its key
+    assert (
+        r.rekey.table.get(0, K.engine_key(ks[0])) is not None
+    )  # held: kept, so its removal finds its key
     r.send([r.removed([ks[0]])])
     assert r.held() == set()
 
@@ -433,6 +435,18 @@ def test_rekey_block_sizes_without_a_whole_ratio_are_a_config_error_naming_both(
     assert cfg.source.zmq.key_mode == "rolling" and cfg.source.zmq.kvcm_block_tokens == 64
     cfg = load(env={**env, "KV_CACHE_EVENT_KVCM_BLOCK_SIZE": "0"})
     assert cfg.source.zmq.kvcm_block_tokens == 16  # defaults to the engine's
+    with pytest.raises(ConfigError, match=r"kvcm_block_size 16777216 must be at most"):
+        load(env={**env, "KV_CACHE_EVENT_KVCM_BLOCK_SIZE": str(1 << 24)})  # an entry's pending
+
+
+def test_rekey_one_to_many_beyond_the_c_table_uses_the_python_form() -> None:
+    from sidecar.source.rekey import C_DOWN_MAX, KeyTable
+
+    r = Rig(2 * C_DOWN_MAX, 1)  # 128 KVCM keys per engine block
+    assert isinstance(r.rekey.table, KeyTable)
+    toks = list(range(2 * C_DOWN_MAX))
+    r.send([r.stored([h("big")], toks)])
+    assert r.held() == set(K.rolling_keys(toks, 1))
 
 
 def test_engine_hash_emulator_hashes_as_vllm_and_sglang_do() -> None:
@@ -508,4 +522,4 @@ def test_rekey_engine_restart_drops_the_table_unless_a_seeded_scheme_was_proven(
     r.seq = 0  # the engine restarted: its seq starts again
     r.send([r.stored([h("z")], [6, 6, 6, 6])])
     assert r.s.restarts == 1
-    assert (K.engine_key(hs[0]) in r.rekey.table.groups.get(0, {})) is seeded
+    assert (r.rekey.table.get(0, K.engine_key(hs[0])) is not None) is seeded
