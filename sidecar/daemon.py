@@ -32,7 +32,7 @@ from sidecar.publisher import Publisher, State
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.reader import ReaderConflict, RingReader
 from sidecar.shm_ring.segment import Segment
-from sidecar.source.base import WINDOW_EARLY_S, Source
+from sidecar.source.base import WINDOW_EARLY_S, FlushPolicy, Source
 from sidecar.source.ring import RingSource
 
 log = logging.getLogger(__name__)
@@ -212,15 +212,14 @@ class Daemon:
     async def _report_loop(self, p: Publisher, discovered: asyncio.Event | None = None) -> None:
         if discovered is not None:
             await discovered.wait()  # register with the leader, not the first seed that answers
-        window = self.cfg.report.flush_window_s
-        send_at = min(self.cfg.report.flush_at_keys, self.cfg.report.batch_max_keys)
+        policy = FlushPolicy.of(self.cfg.report)
         while True:
-            while window and p.state == State.READY and 0 < len(p.keys.dirty) < send_at:
+            while policy.window_s and p.state == State.READY and p.keys.dirty:
                 # The flush window: let a batch fill up, but send once flush_at_keys are
                 # waiting, and let no change wait longer than the window from when it became
-                # dirty (not from when the last request ended). Every drained ring read sets
-                # `work`.
-                wait = p.keys.dirty_since + window - self.clock()
+                # dirty (not from when the last request ended); at low rates the window
+                # stretches (FlushPolicy). Every source read that changed keys sets `work`.
+                wait = policy.due(p.keys) - self.clock()
                 if wait <= WINDOW_EARLY_S:  # a source's coalesced read just before the end
                     break
                 self.work.clear()

@@ -1,8 +1,9 @@
 """What the publisher asks of a source: the replica's identity, liveness, sync and counters.
 
-Imports: stdlib + key_state. A source feeds (key, medium, group, kind) transitions into the one
-KeyState, keeps it equal to the engine's truth (or, when it cannot, empties it and asks for an
-authoritative snapshot: a forget), and tells the publisher who the engine is and whether it lives.
+Imports: stdlib, config, key_state. A source feeds (key, medium, group, kind) transitions into
+the one KeyState, keeps it equal to the engine's truth (or, when it cannot, empties it and asks
+for an authoritative snapshot: a forget), and tells the publisher who the engine is and whether
+it lives. FlushPolicy says when the report loop sends, so that a source reads just before.
 The publisher knows nothing else about rings or sockets.
 """
 
@@ -11,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from sidecar.config import ReportConfig
 from sidecar.key_state import KeyState
 
 Sleep = Callable[[float], Awaitable[None]]
@@ -22,20 +24,76 @@ Sleep = Callable[[float], Awaitable[None]]
 # the window ends, rather than at every engine step (each wake-up of the event loop costs more
 # than a step's records): the report loop, woken by that read, sends at once whatever is this
 # close to its window's end, so read and send share one wake-up. A change still never waits
-# longer than the window; it may go out up to this much sooner.
+# longer than the window (FlushPolicy); it may go out up to this much sooner.
 WINDOW_EARLY_S = 0.002
 
 
-def coalesce_until(keys: KeyState, window_s: float, now: float) -> float:
-    """When a source that has just read changes should read next, or 0.0 for "as usual"
-    (no flush window, or nothing waiting). A window that ends with this read (the report loop
-    sends now) gives the next one, which starts now."""
-    if not window_s or not keys.dirty:
-        return 0.0
-    until = keys.dirty_since + window_s - WINDOW_EARLY_S
-    if until <= now:
-        until = now + window_s - WINDOW_EARLY_S
-    return until
+class _Dirty(Protocol):
+    """What the flush policy reads of the key state (KeyState; the report loop's tests stub it)."""
+
+    dirty_since: float
+
+    @property
+    def dirty(self) -> Sized: ...
+
+
+@dataclass(frozen=True)
+class FlushPolicy:
+    """When the report loop sends the dirty keys, and so when a source should read ahead of it.
+
+    A delta goes out `window_s` after its oldest change, or at once when `at_keys` wait. While
+    fewer than `min_keys` wait, the window stretches up to `max_s` (each request costs the
+    sidecar far more than its keys: at low rates it carries more of them). No change waits
+    longer than `max_s`; `window_s` 0 sends at once; `max_s` <= `window_s` never stretches.
+    """
+
+    window_s: float
+    max_s: float
+    min_keys: int
+    at_keys: int
+
+    @classmethod
+    def of(cls, report: ReportConfig) -> FlushPolicy:
+        w = report.flush_window_s
+        return cls(
+            w,
+            max(report.flush_window_max_s, w),
+            report.flush_min_keys,
+            min(report.flush_at_keys, report.batch_max_keys),
+        )
+
+    def due(self, keys: _Dirty) -> float:
+        """When what is dirty now is sent (the report loop sends within WINDOW_EARLY_S of it);
+        0.0 when at once (no window, or at_keys wait)."""
+        n = len(keys.dirty)
+        if not self.window_s or n >= self.at_keys:
+            return 0.0
+        return keys.dirty_since + (self.window_s if n >= self.min_keys else self.max_s)
+
+    def _expected_due(self, start: float, n: int, now: float, rate: float) -> float:
+        """When a batch begun at `start`, holding `n` keys at `now` and growing by `rate` keys
+        a second (0: unknown), will be due (ignoring at_keys: the sources cap that)."""
+        base = start + self.window_s
+        if self.max_s <= self.window_s or n + rate * max(base - now, 0.0) >= self.min_keys:
+            return base
+        if rate <= 0:
+            return start + self.max_s
+        return min(max(now + (self.min_keys - n) / rate, base), start + self.max_s)
+
+    def read_at(self, keys: _Dirty, now: float, rate: float = 0.0) -> float:
+        """When a source that has just read changes should read next, or 0.0 for "as usual"
+        (no flush window, or nothing waiting): just before the batch is due, as predicted from
+        `rate` (keys a second, 0 if unknown). A batch that is due at this read (the report loop
+        sends now) gives the next one, which starts now."""
+        if not self.window_s or not keys.dirty:
+            return 0.0
+        n = len(keys.dirty)
+        due = self.due(keys)
+        if due - WINDOW_EARLY_S > now:
+            due = min(due, self._expected_due(keys.dirty_since, n, now, rate))
+        if due - WINDOW_EARLY_S <= now:
+            due = self._expected_due(now, 0, now, rate)
+        return due - WINDOW_EARLY_S
 
 
 class SourceRejected(Exception):

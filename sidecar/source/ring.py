@@ -26,12 +26,12 @@ from sidecar.shm_ring.doorbell import Listener
 from sidecar.shm_ring.reader import RingReader
 from sidecar.shm_ring.segment import pid_alive, pid_namespace
 from sidecar.source.base import (
+    FlushPolicy,
     Identity,
     Sleep,
     SourceRejected,
     Watch,
     WatchResult,
-    coalesce_until,
 )
 from sidecar.source.engine_sync import EngineSync, Sync
 
@@ -217,8 +217,8 @@ class RingSource:
         idle = max(self.cfg.ring.idle_poll_interval_s, busy)
         bell_after = max(self.cfg.ring.bell_after_s, busy)
         full_every = self.cfg.engine.watch_interval_s
-        window = self.cfg.report.flush_window_s
-        send_at = min(self.cfg.report.flush_at_keys, self.cfg.report.batch_max_keys)
+        policy = FlushPolicy.of(self.cfg.report)
+        send_at = policy.at_keys
         room = self.reader.capacity // 4  # records a coalesced wait leaves the engine
         last_full = 0.0
         delay = busy
@@ -242,12 +242,12 @@ class RingSource:
             # death meanwhile); an engine without a bell is polled every idle, as before.
             limit = max(idle, BELL_IDLE_POLLS * full_every) if bell and bell.rung else idle
             delay = busy if r.records else min(delay * 2, limit)
-            until = coalesce_until(sync.keys, window, now) if r.records else 0.0
+            rate = r.records / max(now - since, busy)
+            until = policy.read_at(sync.keys, now, rate) if r.records else 0.0
             if until and not self.reader.lag():
                 # Changes wait for the flush window: read again just before it ends (or when
                 # flush_at_keys or a quarter of the ring would fill at the rate just seen), not
                 # at every engine step, and without the doorbell (the engine posts nothing).
-                rate = r.records / max(now - since, busy)
                 fill = min(max(send_at - len(sync.keys.dirty), 0), room) / rate
                 await self.sleep(max(min(until - now, fill), busy))
                 continue
