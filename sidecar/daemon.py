@@ -32,7 +32,7 @@ from sidecar.publisher import Publisher, State
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.reader import ReaderConflict, RingReader
 from sidecar.shm_ring.segment import Segment
-from sidecar.source.base import WINDOW_EARLY_S, FlushPolicy, Source
+from sidecar.source.base import WINDOW_EARLY_S, FlushPolicy, Source, next_tick
 from sidecar.source.ring import RingSource
 
 log = logging.getLogger(__name__)
@@ -229,17 +229,19 @@ class Daemon:
             if await p.data_step():
                 continue
             self.work.clear()
+            # backoff/circuit/periodic timers; the 1 s bound on the shared tick (next_tick)
+            wait = min(p.next_wakeup_s(), next_tick(self.clock(), 1.0))
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(p.next_wakeup_s()):  # backoff/circuit/periodic timers
+                async with asyncio.timeout(wait):
                     await self.work.wait()
 
     async def _heartbeat_loop(self, p: Publisher) -> None:
+        # On the shared tick (next_tick): an idle sidecar's heartbeat, engine watch and polls
+        # share their wake-ups. A heartbeat slower than the interval skips to the next tick.
         interval = self.cfg.report.heartbeat_interval_s
-        next_at = self.clock()
         while True:
             await p.heartbeat_step()
-            next_at = max(next_at + interval, self.clock())
-            await self.sleep(max(next_at - self.clock(), 0.0))
+            await self.sleep(next_tick(self.clock(), interval))
 
     async def _watch_loop(self, p: Publisher) -> None:
         while True:
@@ -247,7 +249,7 @@ class Daemon:
             p.watch_step()
             if p.host_down_pending or was_down != p.engine_down:
                 self.work.set()
-            await self.sleep(self.cfg.engine.watch_interval_s)
+            await self.sleep(next_tick(self.clock(), self.cfg.engine.watch_interval_s))
 
     async def _shutdown(self, p: Publisher, source: Source) -> None:
         """Drain what the source holds, flush, then HOST_DOWN, all within the grace period."""

@@ -28,6 +28,14 @@ Sleep = Callable[[float], Awaitable[None]]
 WINDOW_EARLY_S = 0.002
 
 
+def next_tick(now: float, interval: float) -> float:
+    """Seconds until the next multiple of `interval` on the clock. Periodic loops that sleep so
+    (heartbeat, engine watch, the idle polls, whose intervals divide one another) wake up
+    together: one wake-up of an idle event loop instead of one each, each costing ~0.2-0.5 ms
+    of CPU on a VM, on caches gone cold."""
+    return interval - (now % interval)
+
+
 class _Dirty(Protocol):
     """What the flush policy reads of the key state (KeyState; the report loop's tests stub it)."""
 

@@ -32,6 +32,7 @@ from sidecar.source.base import (
     SourceRejected,
     Watch,
     WatchResult,
+    next_tick,
 )
 from sidecar.source.engine_sync import EngineSync, Sync
 
@@ -257,10 +258,12 @@ class RingSource:
             # Idle: sleep until the engine rings the doorbell or the poll interval passes.
             wake.clear()
             bell.asleep(True)
+            # The longest fallback poll ends on the shared tick (next_tick).
+            wait = next_tick(self.clock(), limit) if delay >= limit else delay
             try:
                 if sync.reader.idle():  # re-check once the flag is visible
                     with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(delay):
+                        async with asyncio.timeout(wait):
                             await wake.wait()
             finally:
                 bell.asleep(False)

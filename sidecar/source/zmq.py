@@ -26,7 +26,7 @@ import zmq.asyncio
 from sidecar.config import Config, group_list, medium_map
 from sidecar.key_state import KeyState
 from sidecar.source import checkpoint as ckpt
-from sidecar.source.base import FlushPolicy, Identity, Watch, WatchResult
+from sidecar.source.base import FlushPolicy, Identity, Watch, WatchResult, next_tick
 from sidecar.source.block_counts import BlockCounts
 from sidecar.source.health import probe
 from sidecar.source.key_check import KeyCheck
@@ -1088,7 +1088,7 @@ class ZmqSource:
                 read = self._read_live(sync_sub)
             else:
                 # At most IDLE_TURN_S asleep: a replay the watch loop asks for goes out promptly.
-                timeout = min(next_ckpt - self.clock(), IDLE_TURN_S)
+                timeout = min(next_ckpt - self.clock(), next_tick(self.clock(), IDLE_TURN_S))
                 if s.replay is not None:
                     timeout = min(timeout, s.replay.deadline - self.clock())
                 if (retry_at := s.next_timer()) is not None:

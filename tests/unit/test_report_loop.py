@@ -18,7 +18,7 @@ import pytest
 from sidecar import config as C
 from sidecar.daemon import Daemon
 from sidecar.publisher import State
-from sidecar.source.base import WINDOW_EARLY_S, FlushPolicy
+from sidecar.source.base import WINDOW_EARLY_S, FlushPolicy, next_tick
 
 ENV = {
     "KV_CACHE_EVENT_MANAGER_ENDPOINT": "http://127.0.0.1:9",
@@ -204,3 +204,10 @@ def test_flush_policy_a_batch_due_at_this_read_starts_the_next_window_now() -> N
     assert pol.read_at(keys, now, 3_200) == pytest.approx(now + 0.04 - WINDOW_EARLY_S)
     assert pol.read_at(keys, now, 50_000) == pytest.approx(now + 0.02 - WINDOW_EARLY_S)
     assert pol.read_at(_waiting(0, 5.0), now, 3_200) == 0.0  # nothing waits: as usual
+
+
+def test_next_tick_lands_loops_of_dividing_intervals_on_one_instant() -> None:
+    # the engine watch (0.25 s) and the heartbeat (1 s), asked at different moments
+    assert 12.0 + next_tick(12.0, 1.0) == pytest.approx(13.0)
+    assert 12.9 + next_tick(12.9, 0.25) == pytest.approx(13.0)
+    assert 12.7 + next_tick(12.7, 1.0) == pytest.approx(13.0)
