@@ -219,8 +219,10 @@ class Daemon:
                 # waiting, and let no change wait longer than the window from when it became
                 # dirty (not from when the last request ended); at low rates the window
                 # stretches (FlushPolicy). Every source read that changed keys sets `work`.
-                wait = policy.due(p.keys) - self.clock()
+                now = self.clock()
+                wait = policy.due(p.keys) - now
                 if wait <= WINDOW_EARLY_S:  # a source's coalesced read just before the end
+                    policy.sending(p.keys, now)
                     break
                 self.work.clear()
                 with contextlib.suppress(TimeoutError):

@@ -296,6 +296,7 @@ class KeyState:
     ) -> None:
         self.clock = clock
         self.dirty_since = 0.0  # when the dirty queue last went from empty to non-empty
+        self.window_s = 0.0  # the stretched flush window (source/base.py FlushPolicy), 0: none
         self.required = sum(1 << g for g in set(required_groups)) or 1
         self.published_count = 0
         self._ndirty = 0

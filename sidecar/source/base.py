@@ -40,6 +40,7 @@ class _Dirty(Protocol):
     """What the flush policy reads of the key state (KeyState; the report loop's tests stub it)."""
 
     dirty_since: float
+    window_s: float
 
     @property
     def dirty(self) -> Sized: ...
@@ -51,8 +52,10 @@ class FlushPolicy:
 
     A delta goes out `window_s` after its oldest change, or at once when `at_keys` wait. While
     fewer than `min_keys` wait, the window stretches up to `max_s` (each request costs the
-    sidecar far more than its keys: at low rates it carries more of them). No change waits
-    longer than `max_s`; `window_s` 0 sends at once; `max_s` <= `window_s` never stretches.
+    sidecar far more than its keys: at low rates it carries more of them): to the time the last
+    batch's rate would take to bring `min_keys` (`keys.window_s`, set at each send; `max_s`
+    before the first). No change waits longer than `max_s`; `window_s` 0 sends at once;
+    `max_s` <= `window_s` never stretches.
     """
 
     window_s: float
@@ -76,31 +79,33 @@ class FlushPolicy:
         n = len(keys.dirty)
         if not self.window_s or n >= self.at_keys:
             return 0.0
-        return keys.dirty_since + (self.window_s if n >= self.min_keys else self.max_s)
+        if n >= self.min_keys or self.max_s <= self.window_s:
+            return keys.dirty_since + self.window_s
+        stretched = keys.window_s or self.max_s
+        return keys.dirty_since + min(max(stretched, self.window_s), self.max_s)
 
-    def _expected_due(self, start: float, n: int, now: float, rate: float) -> float:
-        """When a batch begun at `start`, holding `n` keys at `now` and growing by `rate` keys
-        a second (0: unknown), will be due (ignoring at_keys: the sources cap that)."""
-        base = start + self.window_s
-        if self.max_s <= self.window_s or n + rate * max(base - now, 0.0) >= self.min_keys:
-            return base
-        if rate <= 0:
-            return start + self.max_s
-        return min(max(now + (self.min_keys - n) / rate, base), start + self.max_s)
+    def next_window(self, keys: _Dirty, now: float) -> float:
+        """The window of the batch after the one due now: as long as the rate of this one
+        (its keys over its age) takes to bring min_keys, within [window_s, max_s]."""
+        n = len(keys.dirty)
+        age = now - keys.dirty_since
+        if self.max_s <= self.window_s or not n or age <= 0:
+            return self.window_s
+        return min(max(self.min_keys * age / n, self.window_s), self.max_s)
 
-    def read_at(self, keys: _Dirty, now: float, rate: float = 0.0) -> float:
+    def sending(self, keys: _Dirty, now: float) -> None:
+        """The report loop sends what is dirty because its window ended: size the next one."""
+        keys.window_s = self.next_window(keys, now)
+
+    def read_at(self, keys: _Dirty, now: float) -> float:
         """When a source that has just read changes should read next, or 0.0 for "as usual"
-        (no flush window, or nothing waiting): just before the batch is due, as predicted from
-        `rate` (keys a second, 0 if unknown). A batch that is due at this read (the report loop
-        sends now) gives the next one, which starts now."""
+        (no flush window, or nothing waiting): just before the batch is due. A batch due at
+        this read (the report loop sends now) gives the next one, which starts now."""
         if not self.window_s or not keys.dirty:
             return 0.0
-        n = len(keys.dirty)
         due = self.due(keys)
-        if due - WINDOW_EARLY_S > now:
-            due = min(due, self._expected_due(keys.dirty_since, n, now, rate))
         if due - WINDOW_EARLY_S <= now:
-            due = self._expected_due(now, 0, now, rate)
+            due = now + self.next_window(keys, now)
         return due - WINDOW_EARLY_S
 
 

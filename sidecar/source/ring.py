@@ -243,12 +243,12 @@ class RingSource:
             # death meanwhile); an engine without a bell is polled every idle, as before.
             limit = max(idle, BELL_IDLE_POLLS * full_every) if bell and bell.rung else idle
             delay = busy if r.records else min(delay * 2, limit)
-            rate = r.records / max(now - since, busy)
-            until = policy.read_at(sync.keys, now, rate) if r.records else 0.0
+            until = policy.read_at(sync.keys, now) if r.records else 0.0
             if until and not self.reader.lag():
                 # Changes wait for the flush window: read again just before it ends (or when
                 # flush_at_keys or a quarter of the ring would fill at the rate just seen), not
                 # at every engine step, and without the doorbell (the engine posts nothing).
+                rate = r.records / max(now - since, busy)
                 fill = min(max(send_at - len(sync.keys.dirty), 0), room) / rate
                 await self.sleep(max(min(until - now, fill), busy))
                 continue

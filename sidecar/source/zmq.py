@@ -1118,14 +1118,14 @@ class ZmqSource:
                 self.write_checkpoint()
                 next_ckpt = self.clock() + every
             now, prev, since = self.clock(), since, 0.0
-            blocks = s.blocks - blocks_before if prev else 0
-            rate = blocks / (now - prev) if blocks else 0.0
-            until = policy.read_at(self.keys, now, rate) if read else 0.0
+            until = policy.read_at(self.keys, now) if read else 0.0
             if until and read < DRAIN_BATCHES and s.replay is None and s.want_replay is None:
                 # Changes wait for the flush window: read again just before it ends (or when
                 # flush_at_keys would fill at the rate just seen), not at every engine step.
-                if rate:
-                    until = min(until, now + max(send_at - len(self.keys.dirty), 0) / rate)
+                blocks = s.blocks - blocks_before if prev else 0
+                if blocks:
+                    fill = max(send_at - len(self.keys.dirty), 0) / (blocks / (now - prev))
+                    until = min(until, now + fill)
                 if (retry_at := s.next_timer()) is not None:
                     until = min(until, retry_at)
                 until = min(until, next_ckpt)

@@ -31,6 +31,7 @@ class Keys:
     def __init__(self) -> None:
         self.dirty: list[int] = []
         self.dirty_since = 0.0
+        self.window_s = 0.0
 
 
 class Sender:
@@ -184,26 +185,44 @@ def test_flush_policy_stretches_only_below_flush_min_keys() -> None:
     assert plain.due(_waiting(1, 5.0)) == pytest.approx(5.02)
 
 
-def test_flush_policy_source_reads_when_the_rate_seen_fills_flush_min_keys() -> None:
+def test_flush_policy_next_window_is_what_the_last_rate_takes_to_bring_flush_min_keys() -> None:
+    pol = _policy(**{"report.flush_min_keys": "512"})
+    # 100 keys in 40 ms (2 500 keys/s): 512 would take 205 ms -> the stretched maximum
+    assert pol.next_window(_waiting(100, 5.0), 5.04) == pytest.approx(0.04)
+    # 400 keys in 20 ms (20 k keys/s): 512 take 25.6 ms
+    assert pol.next_window(_waiting(400, 5.0), 5.02) == pytest.approx(0.0256)
+    # 1 000 keys in 10 ms: above flush_min_keys within the plain window
+    assert pol.next_window(_waiting(1000, 5.0), 5.01) == pytest.approx(0.02)
+
+
+def test_flush_policy_the_window_sized_at_a_send_is_the_next_batch_s() -> None:
+    pol = _policy(**{"report.flush_min_keys": "512"})
+    keys = _waiting(400, 5.0)
+    pol.sending(keys, 5.02)  # the report loop sends 400 keys 20 ms old
+    keys.dirty, keys.dirty_since = [1, 2, 3], 5.03
+    assert pol.due(keys) == pytest.approx(5.03 + 0.0256)
+    keys.dirty = list(range(600))  # a burst: flush_min_keys reached, the plain window
+    assert pol.due(keys) == pytest.approx(5.03 + 0.02)
+
+
+def test_flush_policy_source_reads_just_before_the_batch_is_due() -> None:
     pol = _policy(**{"report.flush_min_keys": "512"})
     keys = _waiting(64, 5.0)
-    early = WINDOW_EARLY_S
-    # 50 k keys/s: 512 well before the plain window ends -> read just before it ends
-    assert pol.read_at(keys, 5.0, 50_000) == pytest.approx(5.02 - early)
-    # 20 k keys/s: 464 by 20 ms, 512 at 22.4 ms -> read then
-    assert pol.read_at(keys, 5.0, 20_000) == pytest.approx(5.0224 - early)
-    # 3 200 keys/s, or a rate not known yet: the stretched window's end
-    assert pol.read_at(keys, 5.0, 3_200) == pytest.approx(5.04 - early)
-    assert pol.read_at(keys, 5.0, 0.0) == pytest.approx(5.04 - early)
+    assert pol.read_at(keys, 5.001) == pytest.approx(5.04 - WINDOW_EARLY_S)  # no rate yet
+    keys.window_s = 0.03
+    assert pol.read_at(keys, 5.001) == pytest.approx(5.03 - WINDOW_EARLY_S)
+    assert pol.read_at(_waiting(0, 5.0), 5.001) == 0.0  # nothing waits: as usual
 
 
 def test_flush_policy_a_batch_due_at_this_read_starts_the_next_window_now() -> None:
     pol = _policy(**{"report.flush_min_keys": "512"})
-    keys = _waiting(100, 5.0)
+    slow = _waiting(100, 5.0)
     now = 5.04 - WINDOW_EARLY_S  # the report loop sends at this read
-    assert pol.read_at(keys, now, 3_200) == pytest.approx(now + 0.04 - WINDOW_EARLY_S)
-    assert pol.read_at(keys, now, 50_000) == pytest.approx(now + 0.02 - WINDOW_EARLY_S)
-    assert pol.read_at(_waiting(0, 5.0), now, 3_200) == 0.0  # nothing waits: as usual
+    assert pol.read_at(slow, now) == pytest.approx(now + 0.04 - WINDOW_EARLY_S)
+    fast = _waiting(400, 5.0)
+    fast.window_s = 0.025
+    now = 5.025 - WINDOW_EARLY_S  # 400 keys in 23 ms: 512 would take 29.44 ms
+    assert pol.read_at(fast, now) == pytest.approx(now + 0.02944 - WINDOW_EARLY_S)
 
 
 def test_next_tick_lands_loops_of_dividing_intervals_on_one_instant() -> None:
