@@ -20,6 +20,7 @@ from msgspec import Meta
 PosFloat = Annotated[float, Meta(gt=0)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
 PosInt = Annotated[int, Meta(gt=0)]
+NonNegInt = Annotated[int, Meta(ge=0)]
 
 
 class ConfigError(Exception):
@@ -138,6 +139,13 @@ class ReportConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True
     # since each costs this sidecar ~0.5 ms of CPU (aiohttp) whatever its size. A flush_at_keys
     # above batch_max_keys acts as batch_max_keys (a full request is always sent at once).
     flush_window_s: NonNegFloat = 0.02
+    # The adaptive window (source/base.py FlushPolicy): while fewer than flush_min_keys keys
+    # wait, the window stretches up to flush_window_max_s, so that at low rates a request carries
+    # more keys (each costs the sidecar ~0.3 ms of CPU, far more than its keys). No change waits
+    # longer than flush_window_max_s; a value at or below flush_window_s (or flush_min_keys 0)
+    # keeps the plain window.
+    flush_window_max_s: NonNegFloat = 0.04
+    flush_min_keys: NonNegInt = 512
     flush_at_keys: PosInt = 1000
     batch_max_keys: PosInt = 4096
     heartbeat_interval_s: PosFloat = 1.0

@@ -32,7 +32,7 @@ from sidecar.publisher import Publisher, State
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.reader import ReaderConflict, RingReader
 from sidecar.shm_ring.segment import Segment
-from sidecar.source.base import WINDOW_EARLY_S, Source
+from sidecar.source.base import WINDOW_EARLY_S, FlushPolicy, Source, next_tick
 from sidecar.source.ring import RingSource
 
 log = logging.getLogger(__name__)
@@ -212,16 +212,17 @@ class Daemon:
     async def _report_loop(self, p: Publisher, discovered: asyncio.Event | None = None) -> None:
         if discovered is not None:
             await discovered.wait()  # register with the leader, not the first seed that answers
-        window = self.cfg.report.flush_window_s
-        send_at = min(self.cfg.report.flush_at_keys, self.cfg.report.batch_max_keys)
+        policy = FlushPolicy.of(self.cfg.report)
         while True:
-            while window and p.state == State.READY and 0 < len(p.keys.dirty) < send_at:
+            while policy.window_s and p.state == State.READY and p.keys.dirty:
                 # The flush window: let a batch fill up, but send once flush_at_keys are
                 # waiting, and let no change wait longer than the window from when it became
-                # dirty (not from when the last request ended). Every drained ring read sets
-                # `work`.
-                wait = p.keys.dirty_since + window - self.clock()
+                # dirty (not from when the last request ended); at low rates the window
+                # stretches (FlushPolicy). Every source read that changed keys sets `work`.
+                now = self.clock()
+                wait = policy.due(p.keys) - now
                 if wait <= WINDOW_EARLY_S:  # a source's coalesced read just before the end
+                    policy.sending(p.keys, now)
                     break
                 self.work.clear()
                 with contextlib.suppress(TimeoutError):
@@ -230,17 +231,19 @@ class Daemon:
             if await p.data_step():
                 continue
             self.work.clear()
+            # backoff/circuit/periodic timers; the 1 s bound on the shared tick (next_tick)
+            wait = min(p.next_wakeup_s(), next_tick(self.clock(), 1.0))
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(p.next_wakeup_s()):  # backoff/circuit/periodic timers
+                async with asyncio.timeout(wait):
                     await self.work.wait()
 
     async def _heartbeat_loop(self, p: Publisher) -> None:
+        # On the shared tick (next_tick): an idle sidecar's heartbeat, engine watch and polls
+        # share their wake-ups. A heartbeat slower than the interval skips to the next tick.
         interval = self.cfg.report.heartbeat_interval_s
-        next_at = self.clock()
         while True:
             await p.heartbeat_step()
-            next_at = max(next_at + interval, self.clock())
-            await self.sleep(max(next_at - self.clock(), 0.0))
+            await self.sleep(next_tick(self.clock(), interval))
 
     async def _watch_loop(self, p: Publisher) -> None:
         while True:
@@ -248,7 +251,7 @@ class Daemon:
             p.watch_step()
             if p.host_down_pending or was_down != p.engine_down:
                 self.work.set()
-            await self.sleep(self.cfg.engine.watch_interval_s)
+            await self.sleep(next_tick(self.clock(), self.cfg.engine.watch_interval_s))
 
     async def _shutdown(self, p: Publisher, source: Source) -> None:
         """Drain what the source holds, flush, then HOST_DOWN, all within the grace period."""

@@ -208,7 +208,8 @@ class Demo:
     async def _progress(self, s: aiohttp.ClientSession) -> None:
         t0 = time.monotonic()
         restarted = overflowed = False
-        # Both faults happen even when a slow machine spends the whole duration restarting
+        # Both faults always happen: on a loaded machine the restart alone may outlast the
+        # duration, and the overflow (which the demo promises) must not be skipped then.
         while (elapsed := time.monotonic() - t0) < self.duration_s or not overflowed:
             if not restarted and elapsed >= self.duration_s / 2 and self.cluster:
                 restarted = True
@@ -238,7 +239,7 @@ class Demo:
                     resyncs += sum(st.get("resyncs", {}).values())
                 except aiohttp.ClientError:
                     pass
-            bar = "#" * min(30, int(30 * elapsed / self.duration_s))
+            bar = "#" * min(int(30 * elapsed / self.duration_s), 30)
             text = (
                 f"  [{bar:<30}] {elapsed:4.0f}s events={events} published={pub} "
                 f"requests={reqs} drops={drops} resyncs={resyncs}"
@@ -318,8 +319,6 @@ class Demo:
         deadline = time.monotonic() + 30
         ok = {rk.r: False for rk in self.ranks}
         while time.monotonic() < deadline and not all(ok.values()):
-            if self.cluster:  # a loaded machine can let the lease lapse again: ask the leader
-                self.base = await self._leader(max(deadline - time.monotonic(), 0.1))
             for rk in self.ranks:
                 ok[rk.r] = await self._visible(s, rk.host) == set(rk.final["published"])
             await asyncio.sleep(0.1)  # polling other processes, bounded by the deadline

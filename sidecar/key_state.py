@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from sidecar.shm_ring import compiled
 from sidecar.shm_ring.fold import fold_ops
 from sidecar.shm_ring.key_table import KeyTable, Mover
 from sidecar.shm_ring.layout import KIND_CLEARED
@@ -40,7 +41,7 @@ class Batch:
     """Keys taken for one delta request: adds first, then deletes (the item_results order);
     within each, keys of one medium are contiguous (one run of fixed-width rows per medium)."""
 
-    __slots__ = ("epochs", "keys", "mediums", "pos", "publish")
+    __slots__ = ("epochs", "keys", "medium", "mediums", "pos", "publish")
 
     def __init__(
         self,
@@ -55,6 +56,7 @@ class Batch:
         self.mediums = np.zeros(len(keys), np.uint8) if mediums is None else mediums
         self.pos = pos  # dense positions in each medium's key table (saves a lookup)
         self.epochs = epochs or {}  # medium -> table epoch the positions belong to
+        self.medium = -1  # >= 0: every key is of this medium (take_batch's one-medium batch)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -161,6 +163,25 @@ class _Tier:
         self.owner.published_count += new - self.published_count
         self.published_count = new
 
+    def apply_records(self, keys: np.ndarray, metas: np.ndarray) -> None:
+        """Stored/removed records of this medium, in order (the last op per (key, group) wins):
+        one pass in C (_accel.fold_apply), else the numpy fold."""
+        c = compiled.accel
+        fold = getattr(c, "fold_apply", None) if c is not None else None  # None: a stale build
+        keys = np.ascontiguousarray(keys.view(np.int64))
+        if fold is not None:
+            pos = self.find(keys, insert=True)  # first: it may swap the columns for new ones
+            metas = np.ascontiguousarray(metas, np.uint64)
+            out = np.empty(len(pos), np.int64)
+            got = fold(pos, metas, self.masks, self.owner.required, out)
+            if got is not None:
+                n, delta = got
+                self.published_count += delta
+                self.owner.published_count += delta
+                self.mark_dirty(out[:n])
+                return
+        self.apply_bits(*fold_ops(keys, metas))
+
     def apply_bits(self, ukeys: np.ndarray, set_m: np.ndarray, clr_m: np.ndarray) -> None:
         """Distinct keys: clear then set these group bits."""
         self.apply_bits_at(self.find(ukeys, insert=True), set_m, clr_m)
@@ -235,6 +256,14 @@ class _Tier:
         if bad.any():
             self.mark_dirty(self.find(keys[bad], insert=True), front=True)
 
+    def confirm_all(self, pubs: np.ndarray, pos: np.ndarray) -> None:
+        """confirm() of a batch that KVCM applied whole, at positions still valid."""
+        delta = int(np.count_nonzero(pubs)) - int(np.count_nonzero(self.acked[pos]))
+        self.nacked += delta
+        self.owner._nacked += delta
+        self.acked[pos] = pubs
+        self.mark_dirty(pos[self.published(self.masks[pos]) != pubs])
+
     def commit_snapshot(self, sent: np.ndarray) -> None:
         # Positions first, columns after: an insert may grow or re-index the table and swap
         # every column for a new array, so a column read before find() would take the writes
@@ -267,6 +296,7 @@ class KeyState:
     ) -> None:
         self.clock = clock
         self.dirty_since = 0.0  # when the dirty queue last went from empty to non-empty
+        self.window_s = 0.0  # the stretched flush window (source/base.py FlushPolicy), 0: none
         self.required = sum(1 << g for g in set(required_groups)) or 1
         self.published_count = 0
         self._ndirty = 0
@@ -359,9 +389,9 @@ class KeyState:
         if meds.any():
             for m in np.unique(meds).tolist():
                 sel = records[meds == m]
-                self._tier(m).apply_bits(*fold_ops(sel[:, 1].view(np.int64), sel[:, 2]))
+                self._tier(m).apply_records(sel[:, 1], sel[:, 2])
             return
-        self._tiers[0].apply_bits(*fold_ops(records[:, 1].view(np.int64), metas))
+        self._tiers[0].apply_records(records[:, 1], metas)
 
     def apply_bits(
         self, medium: int, ukeys: np.ndarray, set_m: np.ndarray, clr_m: np.ndarray
@@ -431,9 +461,11 @@ class KeyState:
             order = np.argsort(~pubs, kind="stable")  # each key once: ADD/DELETE order is free
             pos = pos[order]
             t = tiers[m]
-            return Batch(
+            one = Batch(
                 t.keys[pos], pubs[order], np.full(len(pos), m, np.uint8), pos, {m: t.t.epoch}
             )
+            one.medium = m
+            return one
         keys = np.concatenate([tiers[m].keys[p] for m, p, _ in parts])
         pos = np.concatenate([p for _m, p, _ in parts])
         pubs = np.concatenate([b for _m, _p, b in parts])
@@ -446,6 +478,11 @@ class KeyState:
         """KVCM applied `sent` except the items at `failed` indexes, which go back in front."""
         if not len(sent):
             return
+        if sent.medium >= 0 and not failed and sent.pos is not None:
+            t = self._tier(sent.medium)
+            if sent.epochs.get(sent.medium) == t.t.epoch:  # the common case, in fewer calls
+                t.confirm_all(sent.publish, sent.pos)
+                return
         bad = np.zeros(len(sent), np.bool_)
         bad[sorted(set(failed))] = True
         meds = sent.mediums

@@ -107,6 +107,7 @@ class Publisher:
         self.leader_changes = 0  # KVCM leader switches (a snapshot in flight across one: redone)
         self.state_changes: Counter[str] = Counter()
         self._n = 0
+        self._spec_cache: tuple[Identity, list[W.Spec]] | None = None
 
     # ---- small helpers -------------------------------------------------------------------
     def set_state(self, state: State, reason: str) -> None:
@@ -156,10 +157,13 @@ class Publisher:
         return result
 
     def _specs(self) -> list[W.Spec]:
-        """One spec per medium of the table (its URI may name the medium)."""
+        """One spec per medium of the table (its URI may name the medium); built once per
+        engine identity (every request names them)."""
         d = self.identity
         assert d is not None
-        return [
+        if self._spec_cache is not None and self._spec_cache[0] is d:
+            return self._spec_cache[1]
+        specs = [
             W.Spec(
                 self.cfg.identity.spec_name,
                 self.cfg.identity.uri_template.format(
@@ -171,6 +175,8 @@ class Publisher:
             )
             for medium in d.mediums
         ]
+        self._spec_cache = (d, specs)
+        return specs
 
     def _fail(self, op: str, result: Result) -> None:
         """Apply the one action the client classified this outcome as."""

@@ -127,7 +127,10 @@ def interpret(body: bytes, route: str, max_bytes: int) -> Result:
     if len(body) > max_bytes:
         return Result(Action.RETRY, "oversize_response", f"{len(body)} bytes > {max_bytes}")
     try:
-        if _depth(msgspec.json.decode(body)) > MAX_DEPTH:
+        # Nesting needs a bracket per level: a body with few cannot be too deep (one decode
+        # fewer per request).
+        deep = body.count(b"{") + body.count(b"[") > MAX_DEPTH
+        if deep and _depth(msgspec.json.decode(body)) > MAX_DEPTH:
             return Result(Action.RETRY, "malformed_response", f"nested deeper than {MAX_DEPTH}")
         resp = decode_response(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

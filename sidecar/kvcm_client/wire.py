@@ -1,8 +1,10 @@
 """msgspec structs for the KVCM requests the sidecar sends and the responses it reads.
 
-Imports: msgspec and numpy. Requests are proto3-JSON in snake_case with enum names and block keys as
-decimal text (contract §3-§4). Responses are decoded leniently: 64-bit numbers may be strings or
-numbers, codes names or numbers, unknown fields ignored. `docs/wire.md` documents both.
+Imports: msgspec, numpy, and sidecar.shm_ring.compiled (the optional C loops, stdlib only: its
+digit writer for the key fields; the numpy form stays the reference). Requests are proto3-JSON
+in snake_case with enum names and block keys as decimal text (contract §3-§4). Responses are
+decoded leniently: 64-bit numbers may be strings or numbers, codes names or numbers, unknown
+fields ignored. `docs/wire.md` documents both.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 
 import msgspec
 import numpy as np
+
+from sidecar.shm_ring import compiled
 
 
 class Spec(msgspec.Struct, omit_defaults=True):
@@ -229,10 +233,15 @@ def _body(prefix: bytes, parts: list[tuple[_Rows, np.ndarray]], suffix: bytes) -
     buf = np.empty(len(prefix) + n_bytes + len(suffix), np.uint8)
     buf[: len(prefix)] = np.frombuffer(prefix, np.uint8)
     at = len(prefix)
+    c = compiled.accel
+    digits = getattr(c, "digits", None) if c is not None else None  # None: a stale build
     for r, k in parts:
         rows = buf[at : at + r.width * len(k)].reshape(len(k), r.width)
         rows[:] = r.row
-        _fill_keys(rows, r.key_col, k)
+        if digits is not None:
+            digits(buf, at, r.width, r.key_col, np.ascontiguousarray(k))
+        else:
+            _fill_keys(rows, r.key_col, k)
         at += r.width * len(k)
     if n_bytes:
         at -= 1  # the last row's comma
@@ -287,6 +296,8 @@ def _runs(
         assert isinstance(spec, Spec)
         return [(rows_of(medium, spec), k)]
     specs = [spec] * len(medium) if isinstance(spec, Spec) else list(spec)
+    if len(medium) == 1:  # one medium: every index is 0
+        return [(rows_of(medium[0], specs[0]), k)] if len(k) else []
     if idx is None:
         idx = np.zeros(len(k), np.uint8)
     if not len(k):

@@ -9,6 +9,7 @@ docs/operations.md and a test check against the registry.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -160,6 +161,7 @@ OUTCOMES = ("ok", "retry", "resnapshot", "reregister", "circuit_open")
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
         self.requests = Counter(
             "kvcm_sidecar_requests",
             METRICS["kvcm_sidecar_requests"][1],
@@ -191,8 +193,17 @@ class Metrics:
         )
 
     def observe(self, op: str, result: Result) -> None:
-        self.requests.labels(op, OUTCOMES[int(result.action)]).inc()
-        self.latency.labels(op).observe(result.latency_s)
+        # The children, looked up once per label set (labels() takes a lock and builds a key
+        # each call, at every request; the label sets are few: ops x outcomes).
+        outcome = OUTCOMES[int(result.action)]
+        child = self._children.get((op, outcome))
+        if child is None:
+            child = self._children[(op, outcome)] = (
+                self.requests.labels(op, outcome),
+                self.latency.labels(op),
+            )
+        child[0].inc()
+        child[1].observe(result.latency_s)
 
     def attach(self, publisher: Publisher) -> None:
         self.registry.register(_PublisherCollector(publisher))

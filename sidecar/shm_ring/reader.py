@@ -64,6 +64,8 @@ class RingReader:
         self.dropped_seen = int(h[L.W_DROPPED])
         self.incarnation: Incarnation | None = None
         self.records_read = 0
+        self._inc_gen = -1  # the seqlock generation _inc was read at
+        self._inc: Incarnation | None = None
 
     @staticmethod
     def _take_reader_lock(ring_name: str) -> int:
@@ -82,6 +84,8 @@ class RingReader:
             g1 = int(h[L.W_INC_GEN])
             if g1 & 1:
                 continue
+            if g1 == self._inc_gen and self._inc is not None:
+                return self._inc  # unchanged since the last read (the writer bumps it twice)
             inc = Incarnation(
                 int(h[L.W_BOOT_ID]),
                 int(h[L.W_PID]),
@@ -90,7 +94,10 @@ class RingReader:
                 int(h[L.W_PIDNS]),
             )
             if int(h[L.W_INC_GEN]) == g1:
-                return inc if inc.boot_id else None
+                if not inc.boot_id:
+                    return None
+                self._inc_gen, self._inc = g1, inc
+                return inc
         return None
 
     def lag(self) -> int:

@@ -26,12 +26,13 @@ from sidecar.shm_ring.doorbell import Listener
 from sidecar.shm_ring.reader import RingReader
 from sidecar.shm_ring.segment import pid_alive, pid_namespace
 from sidecar.source.base import (
+    FlushPolicy,
     Identity,
     Sleep,
     SourceRejected,
     Watch,
     WatchResult,
-    coalesce_until,
+    next_tick,
 )
 from sidecar.source.engine_sync import EngineSync, Sync
 
@@ -217,8 +218,8 @@ class RingSource:
         idle = max(self.cfg.ring.idle_poll_interval_s, busy)
         bell_after = max(self.cfg.ring.bell_after_s, busy)
         full_every = self.cfg.engine.watch_interval_s
-        window = self.cfg.report.flush_window_s
-        send_at = min(self.cfg.report.flush_at_keys, self.cfg.report.batch_max_keys)
+        policy = FlushPolicy.of(self.cfg.report)
+        send_at = policy.at_keys
         room = self.reader.capacity // 4  # records a coalesced wait leaves the engine
         last_full = 0.0
         delay = busy
@@ -242,7 +243,7 @@ class RingSource:
             # death meanwhile); an engine without a bell is polled every idle, as before.
             limit = max(idle, BELL_IDLE_POLLS * full_every) if bell and bell.rung else idle
             delay = busy if r.records else min(delay * 2, limit)
-            until = coalesce_until(sync.keys, window, now) if r.records else 0.0
+            until = policy.read_at(sync.keys, now) if r.records else 0.0
             if until and not self.reader.lag():
                 # Changes wait for the flush window: read again just before it ends (or when
                 # flush_at_keys or a quarter of the ring would fill at the rate just seen), not
@@ -257,10 +258,12 @@ class RingSource:
             # Idle: sleep until the engine rings the doorbell or the poll interval passes.
             wake.clear()
             bell.asleep(True)
+            # The longest fallback poll ends on the shared tick (next_tick).
+            wait = next_tick(self.clock(), limit) if delay >= limit else delay
             try:
                 if sync.reader.idle():  # re-check once the flag is visible
                     with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(delay):
+                        async with asyncio.timeout(wait):
                             await wake.wait()
             finally:
                 bell.asleep(False)

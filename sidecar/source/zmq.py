@@ -26,7 +26,7 @@ import zmq.asyncio
 from sidecar.config import Config, group_list, medium_map
 from sidecar.key_state import KeyState
 from sidecar.source import checkpoint as ckpt
-from sidecar.source.base import Identity, Watch, WatchResult, coalesce_until
+from sidecar.source.base import FlushPolicy, Identity, Watch, WatchResult, next_tick
 from sidecar.source.block_counts import BlockCounts
 from sidecar.source.health import probe
 from sidecar.source.key_check import KeyCheck
@@ -1077,8 +1077,8 @@ class ZmqSource:
             sync_dealer = zmq.Socket.shadow(dealer.underlying)
         every = self.z.checkpoint_interval_s
         next_ckpt = self.clock() + every
-        window = self.cfg.report.flush_window_s
-        send_at = min(self.cfg.report.flush_at_keys, self.cfg.report.batch_max_keys)
+        policy = FlushPolicy.of(self.cfg.report)
+        send_at = policy.at_keys
         since = 0.0  # > 0: the loop slept on purpose since then (batches queued in the SUB)
         blocks_before = 0
         while True:
@@ -1091,7 +1091,7 @@ class ZmqSource:
                 read = self._read_live(sync_sub)
             else:
                 # At most IDLE_TURN_S asleep: a replay the watch loop asks for goes out promptly.
-                timeout = min(next_ckpt - self.clock(), IDLE_TURN_S)
+                timeout = min(next_ckpt - self.clock(), next_tick(self.clock(), IDLE_TURN_S))
                 if s.replay is not None:
                     timeout = min(timeout, s.replay.deadline - self.clock())
                 if (retry_at := s.next_timer()) is not None:
@@ -1121,7 +1121,7 @@ class ZmqSource:
                 self.write_checkpoint()
                 next_ckpt = self.clock() + every
             now, prev, since = self.clock(), since, 0.0
-            until = coalesce_until(self.keys, window, now) if read else 0.0
+            until = policy.read_at(self.keys, now) if read else 0.0
             if until and read < DRAIN_BATCHES and s.replay is None and s.want_replay is None:
                 # Changes wait for the flush window: read again just before it ends (or when
                 # flush_at_keys would fill at the rate just seen), not at every engine step.

@@ -340,3 +340,35 @@ def test_key_state_acked_is_kvcm_through_reindexes_at_any_call(
         assert ks.in_sync()
     finally:
         key_state._MIN_CAP, key_table.REBUILD_STEP = old
+
+
+def test_key_state_fold_marks_each_changed_key_dirty_once() -> None:
+    """A key stored, removed and stored again in one read is one dirty key; one stored then
+    removed again (published before and after: unchanged) is none."""
+    ks = KeyState()
+    ks.apply(records([(L.KIND_STORED, 0, 9)]))
+    ks.confirm(ks.take_batch(10))
+    ks.apply(
+        records(
+            [
+                (L.KIND_STORED, 0, 5),
+                (L.KIND_REMOVED, 0, 9),
+                (L.KIND_STORED, 0, 3),
+                (L.KIND_REMOVED, 0, 5),
+                (L.KIND_STORED, 0, 9),
+                (L.KIND_STORED, 0, 5),
+            ],
+            start_seq=2,
+        )
+    )
+    batch = ks.take_batch(10)
+    assert sorted(batch.pairs()) == [(3, True), (5, True)]  # 9 went and came back: unsent
+    assert len(ks.dirty) == 0
+    assert ks.published_count == 3
+
+
+def test_key_state_group_beyond_the_c_fold_is_folded_all_the_same() -> None:
+    ks = KeyState(required_groups=(0, 61))
+    ks.apply(records([(L.KIND_STORED, 0, 4), (L.KIND_STORED, 61, 4), (L.KIND_STORED, 0, 8)]))
+    assert ks.as_dict() == {4: 1 | 1 << 61, 8: 1}
+    assert ks.published_count == 1

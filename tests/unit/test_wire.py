@@ -10,10 +10,14 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.kvcm_client import wire as W
+
+# Over the C digit writer (_accel.digits) and its numpy form (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("accel_backend")
 
 U64 = 1 << 64
 
@@ -123,3 +127,10 @@ def test_encode_snapshot_per_key_mediums_equals_struct_encoding(
         W.ReportEventRequest("t", "i", "h:1", "ST_EVENT_REPORT_L1P5", [W.ev_snapshot(blocks)])
     )
     assert _canonical(fast)[0] == _canonical(slow)[0]
+
+
+def test_encode_deltas_writes_extreme_keys_as_their_unsigned_20_digits() -> None:
+    keys = [0, 1, -1, 2**63 - 1, -(2**63), 10**19 - 1, -(10**18)]
+    body = W.encode_deltas("t", "i", "h:1", "vineyard", keys, [], "hbm", SPEC)
+    _decoded, texts = _canonical(body)
+    assert texts == [f"{k % U64:020d}" for k in keys]
