@@ -487,6 +487,16 @@ done:
 
 /* ---- msgpack, as much as the common events need ------------------------------------------- */
 static inline uint64_t be(const uint8_t *p, int n) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    /* msgpack's widths as one load each (tokens are mostly 2 or 4 bytes); others byte-wise */
+    switch (n) {
+    case 1: return p[0];
+    case 2: { uint16_t v; memcpy(&v, p, 2); return __builtin_bswap16(v); }
+    case 4: { uint32_t v; memcpy(&v, p, 4); return __builtin_bswap32(v); }
+    case 8: { uint64_t v; memcpy(&v, p, 8); return __builtin_bswap64(v); }
+    default: break;
+    }
+#endif
     uint64_t v = 0;
     for (int i = 0; i < n; i++) v = v << 8 | p[i];
     return v;
@@ -632,6 +642,42 @@ static int full_kind(PyObject *ev, const Py_ssize_t *off) {
     return ok;
 }
 
+/* The event's parent_block_hash as an engine key (an int, or a digest's last 8 bytes, as
+ * sidecar.keys.engine_key): 1 one, 0 none (nil or absent), -1 not readable here. */
+static int parent_key(PyObject *ev, const Py_ssize_t *off, int64_t *pkey) {
+    Py_buffer v;
+    int r = raw_field(ev, off, F_PARENT, &v);
+    if (r != 0) return r > 0 ? 0 : -1;
+    const uint8_t *p = v.buf, *end = p + v.len;
+    uint64_t u = 0;
+    int ok = 0;
+    if (mp_int(&p, end, &u)) {
+        ok = p == end;
+    } else if (v.len >= 2 && (p[0] == 0xc4 || p[0] == 0xc5 || p[0] == 0xc6)) {
+        int w = p[0] == 0xc4 ? 1 : p[0] == 0xc5 ? 2 : 4;
+        if (v.len >= 1 + w) {
+            uint64_t len = be(p + 1, w);
+            if ((uint64_t)v.len == 1 + w + len) {
+                size_t take = len < 8 ? (size_t)len : 8;
+                u = be(p + 1 + w + len - take, (int)take);
+                ok = 1;
+            }
+        }
+    }
+    PyBuffer_Release(&v);
+    if (!ok) return -1;
+    *pkey = (int64_t)u;
+    return 1;
+}
+
+/* The home of (g, key) and the line after it (an absent key probes ~2-4 slots at 1/2-3/4 full),
+ * fetched ahead of its lookup. */
+static inline void prefetch_home(const KT *t, int g, int64_t key) {
+    const char *s = (const char *)SLOT(t, home(t, g, key, t->nslots));
+    __builtin_prefetch(s);
+    __builtin_prefetch(s + 64);
+}
+
 /* ---- the re-keying -------------------------------------------------------------------------- */
 typedef struct {
     int64_t *keys;
@@ -739,32 +785,9 @@ static int stored(KT *t, const Params *P, PyObject *ev, int g, const int64_t *en
     } else if (r < 0) {
         return 0;
     }
-    int has_parent = 0;
     int64_t pkey = 0;
-    r = raw_field(ev, off, F_PARENT, &v);
-    if (r < 0) return 0;
-    if (r == 0) {
-        const uint8_t *p = v.buf, *end = p + v.len;
-        uint64_t u;
-        int ok = 0;
-        if (mp_int(&p, end, &u)) {
-            ok = p == end;
-        } else if (v.len >= 2 && (p[0] == 0xc4 || p[0] == 0xc5 || p[0] == 0xc6)) {
-            int w = p[0] == 0xc4 ? 1 : p[0] == 0xc5 ? 2 : 4;
-            if (v.len >= 1 + w) {
-                uint64_t len = be(p + 1, w);
-                if ((uint64_t)v.len == 1 + w + len) {
-                    size_t take = len < 8 ? (size_t)len : 8;
-                    u = be(p + 1 + w + len - take, (int)take);
-                    ok = 1;
-                }
-            }
-        }
-        PyBuffer_Release(&v);
-        if (!ok) return 0;
-        has_parent = 1;
-        pkey = (int64_t)u;
-    }
+    int has_parent = parent_key(ev, off, &pkey);
+    if (has_parent < 0) return 0;
     if (!has_parent && P->sglang) return 0; /* a root page: the salted-root check is rekey.py's */
     r = raw_field(ev, off, F_TOKENS, &v);
     if (r != 0) return 0; /* tokenless, or unreadable */
@@ -933,10 +956,17 @@ static PyObject *kt_rekey(KT *t, PyObject *args) {
                 if (pn <= 0) continue;
                 int pg = (int)((codes[pf_i] >> 1) & 0x3F);
                 if (t->nslots && pf_blk + pn <= nkeys)
-                    for (Py_ssize_t j = 0; j < pn; j++)
-                        __builtin_prefetch(SLOT(t, home(t, pg, keys[pf_blk + j], t->nslots)));
+                    for (Py_ssize_t j = 0; j < pn; j++) prefetch_home(t, pg, keys[pf_blk + j]);
                 pf_blk += pn;
                 if (codes[pf_i] & 1) __builtin_prefetch(PyList_GET_ITEM(events, pf_i));
+            }
+            /* the next store's parent (its struct was fetched a turn ago): most chains
+             * continue from a block stored long before, a miss of its own */
+            if (i + 1 < end && (codes[i + 1] & 1) && counts[i + 1] > 0 && t->nslots) {
+                PyObject *nev = PyList_GET_ITEM(events, i + 1);
+                int64_t nk;
+                if (parent_key(nev, field_offsets(Py_TYPE(nev)), &nk) == 1)
+                    prefetch_home(t, (int)((codes[i + 1] >> 1) & 0x3F), nk);
             }
             Py_ssize_t n = (Py_ssize_t)counts[i];
             if (n <= 0) continue;

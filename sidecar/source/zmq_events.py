@@ -30,6 +30,10 @@ DROP_BLOCK_SIZE = "block_size"
 DROP_MEDIUM = "unknown_medium"
 
 
+# An absent Raw field: one shared empty Raw (immutable), not a new one per event and field.
+_ABSENT = msgspec.Raw()
+
+
 def _structs(positional: bool, full: bool = False) -> tuple[Any, Any, Any]:
     """(BlockStored, BlockRemoved, AllBlocksCleared) for one encoding; `full`: BlockStored
     keeps what re-keying reads (tokens, parent, LoRA, extra keys, the group's kind) as Raw."""
@@ -40,13 +44,13 @@ def _structs(positional: bool, full: bool = False) -> tuple[Any, Any, Any]:
     if positional:
         stored_fields: list[Any] = [
             ("block_hashes", raw),
-            ("parent_block_hash", raw, msgspec.field(default_factory=raw)),
-            ("token_ids", raw, msgspec.field(default_factory=raw)),
+            ("parent_block_hash", raw, _ABSENT),
+            ("token_ids", raw, _ABSENT),
             ("block_size", int | None, None),
-            ("lora_id", raw, msgspec.field(default_factory=raw)),
+            ("lora_id", raw, _ABSENT),
             ("medium", str | None, None),
-            ("lora_name", raw, msgspec.field(default_factory=raw)),
-            ("extra_keys", raw, msgspec.field(default_factory=raw)),
+            ("lora_name", raw, _ABSENT),
+            ("extra_keys", raw, _ABSENT),
             ("group_idx", int | None, None),
         ]
         if full:
@@ -54,13 +58,13 @@ def _structs(positional: bool, full: bool = False) -> tuple[Any, Any, Any]:
     elif full:  # by name, with what re-keying reads
         stored_fields = [
             ("block_hashes", raw),
-            ("parent_block_hash", raw, msgspec.field(default_factory=raw)),
-            ("token_ids", raw, msgspec.field(default_factory=raw)),
+            ("parent_block_hash", raw, _ABSENT),
+            ("token_ids", raw, _ABSENT),
             ("block_size", int | None, None),
-            ("lora_id", raw, msgspec.field(default_factory=raw)),
+            ("lora_id", raw, _ABSENT),
             ("medium", str | None, None),
-            ("lora_name", raw, msgspec.field(default_factory=raw)),
-            ("extra_keys", raw, msgspec.field(default_factory=raw)),
+            ("lora_name", raw, _ABSENT),
+            ("extra_keys", raw, _ABSENT),
             ("group_idx", int | None, None),
             ("kv_cache_spec_kind", str | None, None),
         ]
