@@ -47,6 +47,7 @@ ZMQ_KVCM_MEDIUM = {"GPU": "hbm", "CPU": "mem", "CPU_PINNED": "mem", "DISK": "dis
 SAMPLE_S = 0.5
 STABLE_SAMPLES = 3  # convergence: this many equal samples in a row, 0.25 s apart
 LEAK_MIN_S = 300.0  # sidecars that lived this long get a leak figure (a soak's)
+LEAK_WARMUP = 1 / 3  # of a sidecar's life: not in its growth figure (see leak_figure)
 CONVERGE_S = 30.0
 AMBIGUOUS_DELAY_S = 2.5
 # The sidecars' settings: quick to notice and to recover, so that a short run sees many cycles.
@@ -112,7 +113,9 @@ def schedule(
     seed: int, duration: float, hosts: list[str], only: list[str] | None = None
 ) -> list[Fault]:
     """The nemesis' plan, from the seed alone: one fault every 0.4-1.6 s, overlapping (`only`:
-    these kinds alone, to focus a long run on one subsystem)."""
+    these kinds alone, to focus a long run on one subsystem; [] none: the workload alone)."""
+    if only == []:
+        return []
     rng = random.Random(seed)
     zmq = [h for h in hosts if h in ("vllm", "sglang")]
     ring = [h for h in hosts if h in ("ring", "plain", "c")]
@@ -150,6 +153,38 @@ def free_port() -> int:
         return port
 
 
+def slope_per_h(pts: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (t s, value) points, per hour (0 for fewer than 2 times)."""
+    n = len(pts)
+    if n < 2:
+        return 0.0
+    mt = sum(t for t, _ in pts) / n
+    mv = sum(v for _, v in pts) / n
+    var = sum((t - mt) ** 2 for t, _ in pts)
+    return sum((t - mt) * (v - mv) for t, v in pts) / var * 3600 if var else 0.0
+
+
+def leak_figure(pts: list[tuple[float, int, int, int]]) -> dict[str, Any]:
+    """One sidecar's (t, rss_kb, fds, held keys) samples -> its leak figure. Warm-up is the
+    first LEAK_WARMUP of its life (tables and allocator pools reach their working size); the
+    growth is the least-squares slope of RSS after it, and again over the last third alone: a
+    leak keeps its slope, a warm-up's flattens. fds and the engine's held keys over the same
+    span tell legit growth (more keys held) from a leak."""
+    t0, t1 = pts[0][0], pts[-1][0]
+    warm = [p for p in pts if p[0] >= t0 + (t1 - t0) * LEAK_WARMUP]
+    last = [p for p in pts if p[0] >= t0 + (t1 - t0) * 2 / 3]
+    mb = 1024.0
+    return {
+        "lived_s": round(t1 - t0, 1),
+        "rss_mb_first_last": [round(pts[0][1] / mb, 1), round(pts[-1][1] / mb, 1)],
+        "rss_mb_after_warmup": [round(warm[0][1] / mb, 1), round(warm[-1][1] / mb, 1)],
+        "rss_growth_mb_per_h": round(slope_per_h([(p[0], p[1] / mb) for p in warm]), 2),
+        "rss_growth_last_third_mb_per_h": round(slope_per_h([(p[0], p[1] / mb) for p in last]), 2),
+        "fds_after_warmup": [min(p[2] for p in warm), max(p[2] for p in warm)],
+        "held_keys_after_warmup": [min(p[3] for p in warm), max(p[3] for p in warm)],
+    }
+
+
 # ---- the world ---------------------------------------------------------------------------
 class Kvcm:
     """The KVCM-compatible server as a child process on a fixed port, restartable."""
@@ -182,7 +217,8 @@ class Kvcm:
             "20000",
             tasks=self.tasks,
         )
-        await self.proc.expect(lambda x: isinstance(x, str) and "listening on" in x, 30)
+        # 60 s: a restart on a 2-core machine at load 15-20 took longer than 30 (a soak died)
+        await self.proc.expect(lambda x: isinstance(x, str) and "listening on" in x, 60)
 
     async def stop(self, lose_state: bool = False) -> None:
         if self.proc is not None:
@@ -682,36 +718,24 @@ class Run:
                 fds = len(os.listdir(f"/proc/{pid}/fd"))
             except (OSError, StopIteration, ValueError):
                 continue
-            row[name] = {"rss_kb": rss, "fds": fds, "pid": pid}
+            # held: the engine's truth, what the sidecar's key state must hold (legit growth)
+            row[name] = {"rss_kb": rss, "fds": fds, "pid": pid, "held": len(h.truth)}
         self.resources.append(row)
 
     def leaks(self) -> dict[str, Any]:
-        """Per sidecar process that lived at least LEAK_MIN_S: RSS growth (MB per hour, a
-        least-squares slope over its second half, after warm-up) and its fd count range then."""
-        series: dict[tuple[str, int], list[tuple[float, int, int]]] = {}
+        """Per sidecar process that lived at least LEAK_MIN_S: leak_figure() of its samples."""
+        series: dict[tuple[str, int], list[tuple[float, int, int, int]]] = {}
         for row in self.resources:
             for name, v in row.items():
                 if name != "t":
                     series.setdefault((name, v["pid"]), []).append(
-                        (row["t"], v["rss_kb"], v["fds"])
+                        (row["t"], v["rss_kb"], v["fds"], v.get("held", 0))
                     )
-        out: dict[str, Any] = {}
-        for (name, pid), pts in series.items():
-            if pts[-1][0] - pts[0][0] < LEAK_MIN_S:
-                continue
-            half = [p for p in pts if p[0] >= (pts[0][0] + pts[-1][0]) / 2]
-            n = len(half)
-            mt = sum(p[0] for p in half) / n
-            mr = sum(p[1] for p in half) / n
-            var = sum((p[0] - mt) ** 2 for p in half) or 1.0
-            slope_kb_s = sum((p[0] - mt) * (p[1] - mr) for p in half) / var
-            out[f"{name}:{pid}"] = {
-                "lived_s": round(pts[-1][0] - pts[0][0], 1),
-                "rss_mb_first_last": [round(pts[0][1] / 1024, 1), round(pts[-1][1] / 1024, 1)],
-                "rss_growth_mb_per_h": round(slope_kb_s * 3600 / 1024, 2),
-                "fds_second_half": [min(p[2] for p in half), max(p[2] for p in half)],
-            }
-        return out
+        return {
+            f"{name}:{pid}": leak_figure(pts)
+            for (name, pid), pts in series.items()
+            if pts[-1][0] - pts[0][0] >= LEAK_MIN_S
+        }
 
     # ---- the nemesis ----------------------------------------------------------------------
     async def nemesis(self, s: aiohttp.ClientSession) -> None:
@@ -724,6 +748,8 @@ class Run:
             self.active.append((self.now(), self.now() + self.aftermath(f), f.target))
             running.append(asyncio.create_task(self.inject(s, f)))
         await asyncio.gather(*running, return_exceptions=False)
+        if (rest := self.duration - self.now()) > 0:
+            await asyncio.sleep(rest)  # the workloads run for the whole duration
 
     @staticmethod
     def aftermath(f: Fault) -> float:
@@ -955,9 +981,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="how long a removal may take to show on a host no fault touches (raise it on a "
         "machine busy with more than this run)",
     )
-    ap.add_argument("--faults", help=f"only these fault kinds (of {','.join(FAULTS)})")
+    ap.add_argument(
+        "--faults", help=f"only these fault kinds (of {','.join(FAULTS)}), or none (no nemesis)"
+    )
     args = ap.parse_args(argv)
-    args.faults = args.faults.split(",") if args.faults else None
+    # "none": the workloads without a nemesis (a leak baseline: what grows without faults)
+    args.faults = [] if args.faults == "none" else args.faults.split(",") if args.faults else None
     if args.faults and (unknown := [f for f in args.faults if f not in FAULTS]):
         ap.error(f"--faults: unknown {unknown}")
     args.sources = [x for x in args.sources.split(",") if x]

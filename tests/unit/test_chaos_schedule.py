@@ -4,6 +4,7 @@ arguments exit 2 naming the option."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import pytest
 
@@ -39,3 +40,30 @@ def test_chaos_bad_sources_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         chaos.parse(["--sources", "ring,tape"])
     assert exc.value.code == 2
     assert "--sources" in capsys.readouterr().err
+
+
+def test_chaos_faults_none_is_an_empty_schedule() -> None:
+    args = chaos.parse(["--faults", "none", "--duration", "30"])
+    assert args.faults == []
+    assert chaos.schedule(7, 30, list(chaos.SOURCES), args.faults) == []
+
+
+def _samples(rss_kb: Sequence[float], every_s: float = 10.0) -> list[tuple[float, int, int, int]]:
+    return [(i * every_s, int(r), 20, 500) for i, r in enumerate(rss_kb)]
+
+
+def test_chaos_leak_figure_leaves_warm_up_out_of_the_slope() -> None:
+    # 60 MB rising to 70 MB over the first third, then flat: warm-up, no growth after it
+    rss = [60 * 1024 + min(i, 40) * 256 for i in range(121)]
+    fig = chaos.leak_figure(_samples(rss))
+    assert fig["rss_growth_mb_per_h"] == 0.0
+    assert fig["rss_mb_after_warmup"] == [70.0, 70.0]
+    assert fig["fds_after_warmup"] == [20, 20] and fig["held_keys_after_warmup"] == [500, 500]
+
+
+def test_chaos_leak_figure_measures_a_steady_leak_in_mb_per_hour() -> None:
+    # +1 MB every 360 s: 10 MB/h, the same over the last third (a leak keeps its slope)
+    rss = [60 * 1024 + i * 1024 * 10 / 360 for i in range(361)]
+    fig = chaos.leak_figure(_samples(rss))
+    assert fig["rss_growth_mb_per_h"] == pytest.approx(10, abs=0.05)
+    assert fig["rss_growth_last_third_mb_per_h"] == pytest.approx(10, abs=0.05)
