@@ -33,6 +33,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ SOURCES = ("ring", "plain", "c", "vllm", "sglang")
 ZMQ_KVCM_MEDIUM = {"GPU": "hbm", "CPU": "mem", "CPU_PINNED": "mem", "DISK": "disk"}
 SAMPLE_S = 0.5
 STABLE_SAMPLES = 3  # convergence: this many equal samples in a row, 0.25 s apart
+HISTORY_SAMPLES = 60  # samples a violation's key history shows (30 s)
 LEAK_MIN_S = 300.0  # sidecars that lived this long get a leak figure (a soak's)
 LEAK_WARMUP = 1 / 3  # of a sidecar's life: not in its growth figure (see leak_figure)
 CONVERGE_S = 30.0
@@ -183,6 +185,37 @@ def leak_figure(pts: list[tuple[float, int, int, int]]) -> dict[str, Any]:
         "fds_after_warmup": [min(p[2] for p in warm), max(p[2] for p in warm)],
         "held_keys_after_warmup": [min(p[3] for p in warm), max(p[3] for p in warm)],
     }
+
+
+class Changes:
+    """The last HISTORY_SAMPLES samples of one host's (truth, view) as differences from the
+    sample before: a key's history replays from the newest sets, in memory that follows the
+    churn, not the number of keys held."""
+
+    def __init__(self, depth: int = 0) -> None:
+        self.depth = depth or HISTORY_SAMPLES
+        self.rows: deque[tuple[float, set[Any], set[Any], set[Any], set[Any]]] = deque()
+        self.truth: set[Any] = set()
+        self.seen: set[Any] = set()
+
+    def add(self, t: float, truth: set[Any], seen: set[Any]) -> None:
+        """A sample: what entered and left the truth and the view since the last one."""
+        tr, sn = self.truth, self.seen
+        diff = (truth - tr, tr - truth) if truth is not tr else (set(), set())
+        self.rows.append((t, *diff, seen - sn, sn - seen))
+        self.truth, self.seen = truth, seen
+        while len(self.rows) > self.depth:
+            self.rows.popleft()
+
+    def rows_for(self, key: Any) -> list[tuple[float, bool, bool]]:
+        """(t, engine holds key, KVCM shows key) per sample kept, oldest first."""
+        held, shown = key in self.truth, key in self.seen
+        out: list[tuple[float, bool, bool]] = []
+        for t, t_in, t_out, s_in, s_out in reversed(self.rows):
+            out.append((round(t, 2), held, shown))
+            held = (held and key not in t_in) or key in t_out  # as it was before this sample
+            shown = (shown and key not in s_in) or key in s_out
+        return out[::-1]
 
 
 # ---- the world ---------------------------------------------------------------------------
@@ -552,7 +585,8 @@ class Run:
         self.active: list[tuple[float, float, str]] = []  # (start, end, target) of faults
         self.stale_since: dict[str, dict[tuple[int, str], float]] = {}
         self.gone: dict[str, set[tuple[int, str]]] = {}  # removals KVCM was seen to apply
-        self.history: dict[str, list[tuple[float, set[Any], set[Any]]]] = {}
+        self.history: dict[str, list[tuple[float, set[Any], set[Any]]]] = {}  # the last 3
+        self.changes: dict[str, Changes] = {}  # what key_history reads, as differences
         self.resources: list[dict[str, Any]] = []
         self.stop_work = asyncio.Event()
         self.calm_bound_s: float = args.calm_bound_s
@@ -582,6 +616,7 @@ class Run:
             self.gone[name] = set()
             self.back_since[name] = {}
             self.history[name] = []
+            self.changes[name] = Changes()
         for h in self.hosts.values():
             await h.start_engine()
             await h.start_sidecar()
@@ -650,7 +685,10 @@ class Run:
         truth = h.truth
         hist = self.history[name]
         hist.append((now, truth, seen))
-        del hist[:-400]
+        # Three full samples: every sample's sets kept 400 deep held 3.3 GB in an hour-long
+        # soak (45 k keys per set) and slowed this loop until the proxies stopped accepting.
+        del hist[:-3]
+        self.changes[name].add(now, truth, seen)
         stale = self.stale_since[name]
         extra = seen - truth
         for k in list(stale):
@@ -699,9 +737,7 @@ class Run:
         """What the samples saw of these keys: when the engine held them, when KVCM showed them."""
         out: dict[str, Any] = {}
         for k in keys:
-            rows = [
-                (round(t, 2), k in truth, k in seen) for t, truth, seen in self.history[host][-60:]
-            ]
+            rows = self.changes[host].rows_for(k)
             changes = [r for i, r in enumerate(rows) if i == 0 or r[1:] != rows[i - 1][1:]]
             out[str(k)] = {"(t, engine_holds, kvcm_shows)": changes}
         return out

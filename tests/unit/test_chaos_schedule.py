@@ -4,6 +4,7 @@ arguments exit 2 naming the option."""
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Sequence
 
 import pytest
@@ -67,3 +68,20 @@ def test_chaos_leak_figure_measures_a_steady_leak_in_mb_per_hour() -> None:
     fig = chaos.leak_figure(_samples(rss))
     assert fig["rss_growth_mb_per_h"] == pytest.approx(10, abs=0.05)
     assert fig["rss_growth_last_third_mb_per_h"] == pytest.approx(10, abs=0.05)
+
+
+def test_chaos_key_history_from_differences_equals_the_samples_and_stays_bounded() -> None:
+    rng = random.Random(25)
+    ch = chaos.Changes(depth=60)
+    samples: list[tuple[float, set[int], set[int]]] = []
+    truth: set[int] = set()
+    for i in range(400):
+        if rng.random() < 0.7:  # a new truth set (a workload step), else the same object
+            truth = (truth - {rng.randrange(40) for _ in range(3)}) | {rng.randrange(40)}
+        seen = {k for k in truth if rng.random() < 0.9} | {rng.randrange(40)}
+        ch.add(i * 0.5, truth, seen)
+        samples.append((i * 0.5, truth, seen))
+    assert len(ch.rows) == 60  # the checker's memory follows the depth, not the run's length
+    for k in range(40):
+        want = [(round(t, 2), k in tr, k in sn) for t, tr, sn in samples[-60:]]
+        assert ch.rows_for(k) == want
