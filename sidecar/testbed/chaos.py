@@ -599,6 +599,14 @@ class Run:
         sys.stdout.write(json.dumps(obj, default=str) + "\n")
         sys.stdout.flush()
 
+    def track(self, name: str) -> None:
+        """The checker's state for one host."""
+        self.stale_since[name] = {}
+        self.gone[name] = set()
+        self.back_since[name] = {}
+        self.history[name] = []
+        self.changes[name] = Changes()
+
     async def setup(self) -> None:
         if "c" in self.sources:
             from sidecar.testbed import cbuild
@@ -612,11 +620,7 @@ class Run:
                 h.pub_link = await FaultProxy("127.0.0.1", h.pub_port).start()
                 h.rep_link = await FaultProxy("127.0.0.1", h.rep_port).start()
             self.hosts[name] = h
-            self.stale_since[name] = {}
-            self.gone[name] = set()
-            self.back_since[name] = {}
-            self.history[name] = []
-            self.changes[name] = Changes()
+            self.track(name)
         for h in self.hosts.values():
             await h.start_engine()
             await h.start_sidecar()
@@ -685,8 +689,8 @@ class Run:
         truth = h.truth
         hist = self.history[name]
         hist.append((now, truth, seen))
-        # Three full samples: every sample's sets kept 400 deep held 3.3 GB in an hour-long
-        # soak (45 k keys per set) and slowed this loop until the proxies stopped accepting.
+        # Three full samples (what the checks read): every sample's sets kept 400 deep were
+        # most of the 3.3 GB this process held in an hour-long soak (20-45 k keys per set).
         del hist[:-3]
         self.changes[name].add(now, truth, seen)
         stale = self.stale_since[name]
@@ -724,7 +728,9 @@ class Run:
         gone -= truth
         if len(hist) >= 3 and calm and seen:  # the reporter visible: a removal, not a hiding
             (_, t1, s1), (_, t2, s2) = hist[-3], hist[-2]
-            gone |= {k for k in s1 - s2 - seen if k not in t1 | t2 | truth}
+            # One union, not one per key: rebuilt per key it made a mass removal (a flood's
+            # half, a clear: 20 k keys of 45 k held) quadratic, minutes with the loop blocked.
+            gone |= (s1 - s2 - seen) - (t1 | t2 | truth)
         if len(gone) > 200_000:
             gone.clear()
 

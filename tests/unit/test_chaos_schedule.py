@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import itertools
 import random
+import types
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,3 +89,34 @@ def test_chaos_key_history_from_differences_equals_the_samples_and_stays_bounded
     for k in range(40):
         want = [(round(t, 2), k in tr, k in sn) for t, tr, sn in samples[-60:]]
         assert ch.rows_for(k) == want
+
+
+class _CountingSet(set[tuple[int, str]]):
+    unions = 0
+
+    def __or__(self, other: AbstractSet[Any]) -> _CountingSet:  # type: ignore[override]
+        _CountingSet.unions += 1
+        return _CountingSet(set.__or__(self, other))
+
+
+def test_chaos_checker_takes_a_mass_removal_in_a_bounded_number_of_set_operations(
+    tmp_path: Path,
+) -> None:
+    # 20 000 of 25 000 held keys removed at once (a flood's half) once made the checker build
+    # a union of every held set per removed key: minutes with the run's loop (and its fault
+    # proxies) blocked, in the hour-long soak.
+    run = chaos.Run(chaos.parse(["--sources", "plain", "--faults", "none"]), tmp_path)
+    run.track("plain")
+    host = types.SimpleNamespace()
+    held = _CountingSet((k, "hbm") for k in range(25_000))
+    kept = _CountingSet((k, "hbm") for k in range(20_000, 25_000))
+    # the engine drops them, then KVCM does (the checker sees a removal it applied)
+    for truth, seen in ((held, set(held)), (kept, set(held)), (kept, set(kept))):
+        host.truth = truth
+        run.check_sample("plain", host, seen, 1.0)  # type: ignore[arg-type]
+    _CountingSet.unions = 0
+    host.truth = kept
+    run.check_sample("plain", host, set(kept), 1.5)  # type: ignore[arg-type]
+    assert _CountingSet.unions <= 4
+    assert run.gone["plain"] == {(k, "hbm") for k in range(20_000)}  # the removals KVCM showed
+    assert run.violations == []
