@@ -181,6 +181,12 @@ class LogConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
     repeat_interval_s: PosFloat = 60.0
 
 
+class MemoryConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    # Give the heap's free pages back to the kernel this often (glibc malloc_trim; 0: never):
+    # freed key-table columns otherwise stay resident as holes (sidecar/malloc.py).
+    trim_interval_s: NonNegFloat = 30.0
+
+
 class Config(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
     publisher_type: Literal["none", "kvcm"] = "kvcm"
     manager: ManagerConfig = msgspec.field(default_factory=ManagerConfig)
@@ -192,6 +198,7 @@ class Config(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
     shutdown: ShutdownConfig = msgspec.field(default_factory=ShutdownConfig)
     http: HttpConfig = msgspec.field(default_factory=HttpConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
+    memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)
 
     def __post_init__(self) -> None:
         if self.publisher_type != "kvcm":

@@ -26,6 +26,7 @@ from sidecar.config import Config, parse_addr
 from sidecar.key_state import KeyState
 from sidecar.kvcm_client.client import KvcmClient, Result
 from sidecar.kvcm_client.discovery import Discovery
+from sidecar.malloc import trim
 from sidecar.metrics.registry import Metrics
 from sidecar.metrics.server import build_app
 from sidecar.publisher import Publisher, State
@@ -197,6 +198,8 @@ class Daemon:
                         tg.create_task(self._heartbeat_loop(p), name="heartbeat")
                         tg.create_task(self._watch_loop(p), name="engine-watch")
                         tg.create_task(self._stop_waiter(), name="stop")
+                        if self.cfg.memory.trim_interval_s:
+                            tg.create_task(self._trim_loop(), name="malloc-trim")
                 except* _Stop:
                     pass
                 await self._shutdown(p, source)
@@ -252,6 +255,11 @@ class Daemon:
             if p.host_down_pending or was_down != p.engine_down:
                 self.work.set()
             await self.sleep(next_tick(self.clock(), self.cfg.engine.watch_interval_s))
+
+    async def _trim_loop(self) -> None:
+        while True:
+            await self.sleep(self.cfg.memory.trim_interval_s)
+            trim()
 
     async def _shutdown(self, p: Publisher, source: Source) -> None:
         """Drain what the source holds, flush, then HOST_DOWN, all within the grace period."""

@@ -4,7 +4,11 @@ Imports: stdlib (ctypes) only. glibc serves big allocations with mmap and return
 but after the first such free it raises its mmap threshold (up to 32 MiB), so later arrays of
 several MiB (the key state's columns, a snapshot's temporaries) come from the heap, where freed
 holes stay resident. For the sidecar that doubled RSS after one 1M-key snapshot (bench/README.md).
-Setting the threshold turns the adjustment off. No-op where mallopt is missing (musl, macOS).
+Setting the threshold turns the adjustment off. Arrays below it (a small cache's key tables,
+0.5-4 MiB, rebuilt as keys churn) still leave holes in the heap that glibc only returns from its
+top: `trim()` (malloc_trim, ~1 ms) gives the free pages inside it back, on a timer (the daemon).
+Without it a ZMQ sidecar's RSS crept up 30-55 MB/h with its live heap flat (docs/testing.md).
+No-op where mallopt / malloc_trim is missing (musl, macOS).
 """
 
 from __future__ import annotations
@@ -31,3 +35,15 @@ def pin_mmap_threshold() -> bool:
     ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
     log.debug("mallopt M_MMAP_THRESHOLD=%d ok=%s", MMAP_THRESHOLD_BYTES, ok)
     return ok
+
+
+def trim() -> bool:
+    """Return the heap's free pages to the kernel (glibc malloc_trim(0)); True if it released
+    any, False if none or not glibc."""
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    malloc_trim.restype = ctypes.c_int
+    return bool(malloc_trim(0))

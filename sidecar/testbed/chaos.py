@@ -32,6 +32,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,9 @@ SOURCES = ("ring", "plain", "c", "vllm", "sglang")
 ZMQ_KVCM_MEDIUM = {"GPU": "hbm", "CPU": "mem", "CPU_PINNED": "mem", "DISK": "disk"}
 SAMPLE_S = 0.5
 STABLE_SAMPLES = 3  # convergence: this many equal samples in a row, 0.25 s apart
+HISTORY_SAMPLES = 60  # samples a violation's key history shows (30 s)
 LEAK_MIN_S = 300.0  # sidecars that lived this long get a leak figure (a soak's)
+LEAK_WARMUP = 1 / 3  # of a sidecar's life: not in its growth figure (see leak_figure)
 CONVERGE_S = 30.0
 AMBIGUOUS_DELAY_S = 2.5
 # The sidecars' settings: quick to notice and to recover, so that a short run sees many cycles.
@@ -112,7 +115,9 @@ def schedule(
     seed: int, duration: float, hosts: list[str], only: list[str] | None = None
 ) -> list[Fault]:
     """The nemesis' plan, from the seed alone: one fault every 0.4-1.6 s, overlapping (`only`:
-    these kinds alone, to focus a long run on one subsystem)."""
+    these kinds alone, to focus a long run on one subsystem; [] none: the workload alone)."""
+    if only == []:
+        return []
     rng = random.Random(seed)
     zmq = [h for h in hosts if h in ("vllm", "sglang")]
     ring = [h for h in hosts if h in ("ring", "plain", "c")]
@@ -141,6 +146,69 @@ def schedule(
         out.append(Fault(round(t, 3), min(hold, max(duration - t, 0.0)), kind, target, detail))
         t += rng.uniform(0.4, 1.6)
     return out
+
+
+def slope_per_h(pts: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (t s, value) points, per hour (0 for fewer than 2 times)."""
+    n = len(pts)
+    if n < 2:
+        return 0.0
+    mt = sum(t for t, _ in pts) / n
+    mv = sum(v for _, v in pts) / n
+    var = sum((t - mt) ** 2 for t, _ in pts)
+    return sum((t - mt) * (v - mv) for t, v in pts) / var * 3600 if var else 0.0
+
+
+def leak_figure(pts: list[tuple[float, int, int, int]]) -> dict[str, Any]:
+    """One sidecar's (t, rss_kb, fds, held keys) samples -> its leak figure. Warm-up is the
+    first LEAK_WARMUP of its life (tables and allocator pools reach their working size); the
+    growth is the least-squares slope of RSS after it, and again over the last third alone: a
+    leak keeps its slope, a warm-up's flattens. fds and the engine's held keys over the same
+    span tell legit growth (more keys held) from a leak."""
+    t0, t1 = pts[0][0], pts[-1][0]
+    warm = [p for p in pts if p[0] >= t0 + (t1 - t0) * LEAK_WARMUP]
+    last = [p for p in pts if p[0] >= t0 + (t1 - t0) * 2 / 3]
+    mb = 1024.0
+    return {
+        "lived_s": round(t1 - t0, 1),
+        "rss_mb_first_last": [round(pts[0][1] / mb, 1), round(pts[-1][1] / mb, 1)],
+        "rss_mb_after_warmup": [round(warm[0][1] / mb, 1), round(warm[-1][1] / mb, 1)],
+        "rss_growth_mb_per_h": round(slope_per_h([(p[0], p[1] / mb) for p in warm]), 2),
+        "rss_growth_last_third_mb_per_h": round(slope_per_h([(p[0], p[1] / mb) for p in last]), 2),
+        "fds_after_warmup": [min(p[2] for p in warm), max(p[2] for p in warm)],
+        "held_keys_after_warmup": [min(p[3] for p in warm), max(p[3] for p in warm)],
+    }
+
+
+class Changes:
+    """The last HISTORY_SAMPLES samples of one host's (truth, view) as differences from the
+    sample before: a key's history replays from the newest sets, in memory that follows the
+    churn, not the number of keys held."""
+
+    def __init__(self, depth: int = 0) -> None:
+        self.depth = depth or HISTORY_SAMPLES
+        self.rows: deque[tuple[float, set[Any], set[Any], set[Any], set[Any]]] = deque()
+        self.truth: set[Any] = set()
+        self.seen: set[Any] = set()
+
+    def add(self, t: float, truth: set[Any], seen: set[Any]) -> None:
+        """A sample: what entered and left the truth and the view since the last one."""
+        tr, sn = self.truth, self.seen
+        diff = (truth - tr, tr - truth) if truth is not tr else (set(), set())
+        self.rows.append((t, *diff, seen - sn, sn - seen))
+        self.truth, self.seen = truth, seen
+        while len(self.rows) > self.depth:
+            self.rows.popleft()
+
+    def rows_for(self, key: Any) -> list[tuple[float, bool, bool]]:
+        """(t, engine holds key, KVCM shows key) per sample kept, oldest first."""
+        held, shown = key in self.truth, key in self.seen
+        out: list[tuple[float, bool, bool]] = []
+        for t, t_in, t_out, s_in, s_out in reversed(self.rows):
+            out.append((round(t, 2), held, shown))
+            held = (held and key not in t_in) or key in t_out  # as it was before this sample
+            shown = (shown and key not in s_in) or key in s_out
+        return out[::-1]
 
 
 # ---- the world ---------------------------------------------------------------------------
@@ -175,7 +243,8 @@ class Kvcm:
             "20000",
             tasks=self.tasks,
         )
-        await self.proc.expect(lambda x: isinstance(x, str) and "listening on" in x, 30)
+        # 60 s: a restart on a 2-core machine at load 15-20 took longer than 30 (a soak died)
+        await self.proc.expect(lambda x: isinstance(x, str) and "listening on" in x, 60)
 
     async def stop(self, lose_state: bool = False) -> None:
         if self.proc is not None:
@@ -510,7 +579,8 @@ class Run:
         self.active: list[tuple[float, float, str]] = []  # (start, end, target) of faults
         self.stale_since: dict[str, dict[tuple[int, str], float]] = {}
         self.gone: dict[str, set[tuple[int, str]]] = {}  # removals KVCM was seen to apply
-        self.history: dict[str, list[tuple[float, set[Any], set[Any]]]] = {}
+        self.history: dict[str, list[tuple[float, set[Any], set[Any]]]] = {}  # the last 3
+        self.changes: dict[str, Changes] = {}  # what key_history reads, as differences
         self.resources: list[dict[str, Any]] = []
         self.stop_work = asyncio.Event()
         self.calm_bound_s: float = args.calm_bound_s
@@ -522,6 +592,14 @@ class Run:
     def say(self, **obj: Any) -> None:
         sys.stdout.write(json.dumps(obj, default=str) + "\n")
         sys.stdout.flush()
+
+    def track(self, name: str) -> None:
+        """The checker's state for one host."""
+        self.stale_since[name] = {}
+        self.gone[name] = set()
+        self.back_since[name] = {}
+        self.history[name] = []
+        self.changes[name] = Changes()
 
     async def setup(self) -> None:
         if "c" in self.sources:
@@ -536,10 +614,7 @@ class Run:
                 h.pub_link = await FaultProxy("127.0.0.1", h.pub_port).start()
                 h.rep_link = await FaultProxy("127.0.0.1", h.rep_port).start()
             self.hosts[name] = h
-            self.stale_since[name] = {}
-            self.gone[name] = set()
-            self.back_since[name] = {}
-            self.history[name] = []
+            self.track(name)
         for h in self.hosts.values():
             await h.start_engine()
             await h.start_sidecar()
@@ -608,7 +683,10 @@ class Run:
         truth = h.truth
         hist = self.history[name]
         hist.append((now, truth, seen))
-        del hist[:-400]
+        # Three full samples (what the checks read): every sample's sets kept 400 deep were
+        # most of the 3.3 GB this process held in an hour-long soak (20-45 k keys per set).
+        del hist[:-3]
+        self.changes[name].add(now, truth, seen)
         stale = self.stale_since[name]
         extra = seen - truth
         for k in list(stale):
@@ -644,7 +722,9 @@ class Run:
         gone -= truth
         if len(hist) >= 3 and calm and seen:  # the reporter visible: a removal, not a hiding
             (_, t1, s1), (_, t2, s2) = hist[-3], hist[-2]
-            gone |= {k for k in s1 - s2 - seen if k not in t1 | t2 | truth}
+            # One union, not one per key: rebuilt per key it made a mass removal (a flood's
+            # half, a clear: 20 k keys of 45 k held) quadratic, minutes with the loop blocked.
+            gone |= (s1 - s2 - seen) - (t1 | t2 | truth)
         if len(gone) > 200_000:
             gone.clear()
 
@@ -657,9 +737,7 @@ class Run:
         """What the samples saw of these keys: when the engine held them, when KVCM showed them."""
         out: dict[str, Any] = {}
         for k in keys:
-            rows = [
-                (round(t, 2), k in truth, k in seen) for t, truth, seen in self.history[host][-60:]
-            ]
+            rows = self.changes[host].rows_for(k)
             changes = [r for i, r in enumerate(rows) if i == 0 or r[1:] != rows[i - 1][1:]]
             out[str(k)] = {"(t, engine_holds, kvcm_shows)": changes}
         return out
@@ -676,36 +754,24 @@ class Run:
                 fds = len(os.listdir(f"/proc/{pid}/fd"))
             except (OSError, StopIteration, ValueError):
                 continue
-            row[name] = {"rss_kb": rss, "fds": fds, "pid": pid}
+            # held: the engine's truth, what the sidecar's key state must hold (legit growth)
+            row[name] = {"rss_kb": rss, "fds": fds, "pid": pid, "held": len(h.truth)}
         self.resources.append(row)
 
     def leaks(self) -> dict[str, Any]:
-        """Per sidecar process that lived at least LEAK_MIN_S: RSS growth (MB per hour, a
-        least-squares slope over its second half, after warm-up) and its fd count range then."""
-        series: dict[tuple[str, int], list[tuple[float, int, int]]] = {}
+        """Per sidecar process that lived at least LEAK_MIN_S: leak_figure() of its samples."""
+        series: dict[tuple[str, int], list[tuple[float, int, int, int]]] = {}
         for row in self.resources:
             for name, v in row.items():
                 if name != "t":
                     series.setdefault((name, v["pid"]), []).append(
-                        (row["t"], v["rss_kb"], v["fds"])
+                        (row["t"], v["rss_kb"], v["fds"], v.get("held", 0))
                     )
-        out: dict[str, Any] = {}
-        for (name, pid), pts in series.items():
-            if pts[-1][0] - pts[0][0] < LEAK_MIN_S:
-                continue
-            half = [p for p in pts if p[0] >= (pts[0][0] + pts[-1][0]) / 2]
-            n = len(half)
-            mt = sum(p[0] for p in half) / n
-            mr = sum(p[1] for p in half) / n
-            var = sum((p[0] - mt) ** 2 for p in half) or 1.0
-            slope_kb_s = sum((p[0] - mt) * (p[1] - mr) for p in half) / var
-            out[f"{name}:{pid}"] = {
-                "lived_s": round(pts[-1][0] - pts[0][0], 1),
-                "rss_mb_first_last": [round(pts[0][1] / 1024, 1), round(pts[-1][1] / 1024, 1)],
-                "rss_growth_mb_per_h": round(slope_kb_s * 3600 / 1024, 2),
-                "fds_second_half": [min(p[2] for p in half), max(p[2] for p in half)],
-            }
-        return out
+        return {
+            f"{name}:{pid}": leak_figure(pts)
+            for (name, pid), pts in series.items()
+            if pts[-1][0] - pts[0][0] >= LEAK_MIN_S
+        }
 
     # ---- the nemesis ----------------------------------------------------------------------
     async def nemesis(self, s: aiohttp.ClientSession) -> None:
@@ -718,6 +784,8 @@ class Run:
             self.active.append((self.now(), self.now() + self.aftermath(f), f.target))
             running.append(asyncio.create_task(self.inject(s, f)))
         await asyncio.gather(*running, return_exceptions=False)
+        if (rest := self.duration - self.now()) > 0:
+            await asyncio.sleep(rest)  # the workloads run for the whole duration
 
     @staticmethod
     def aftermath(f: Fault) -> float:
@@ -950,9 +1018,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="how long a removal may take to show on a host no fault touches (raise it on a "
         "machine busy with more than this run)",
     )
-    ap.add_argument("--faults", help=f"only these fault kinds (of {','.join(FAULTS)})")
+    ap.add_argument(
+        "--faults", help=f"only these fault kinds (of {','.join(FAULTS)}), or none (no nemesis)"
+    )
     args = ap.parse_args(argv)
-    args.faults = args.faults.split(",") if args.faults else None
+    # "none": the workloads without a nemesis (a leak baseline: what grows without faults)
+    args.faults = [] if args.faults == "none" else args.faults.split(",") if args.faults else None
     if args.faults and (unknown := [f for f in args.faults if f not in FAULTS]):
         ap.error(f"--faults: unknown {unknown}")
     args.sources = [x for x in args.sources.split(",") if x]

@@ -115,3 +115,39 @@ def test_block_counts_repeats_of_few_keys_do_not_grow_or_reindex_the_table() -> 
     t = ks.table(0)
     assert (t.n, t.idx.cap, t.epoch, t.rebuild) == (2_000, cap, 0, None)
     assert bc.held() == 2_000
+
+
+def test_block_counts_fresh_key_churn_keeps_the_tables_bounded() -> None:
+    # A ZMQ engine's steady state (the chaos run's vLLM/SGLang workload, issue #25's soak):
+    # every block hash is new, ~1 000 held per medium, each stored block later removed, KVCM
+    # acking every delta. 120 000 distinct keys pass through 65 536-slot tables: removed keys
+    # must leave at each re-index, so positions, capacity and columns stay what ~1 000 keys need.
+    ks = KeyState((0,))
+    bc = BlockCounts(ks)
+    rng = np.random.default_rng(25)
+    held: list[np.ndarray] = []
+    per_step, hold_steps = 100, 10
+    sizes: set[tuple[int, int, int, int]] = set()
+    for step in range(1_200):
+        fresh = rng.integers(-(2**63), 2**63 - 1, per_step, dtype=np.int64)
+        held.append(fresh)
+        gone = held.pop(0) if len(held) > hold_steps else np.zeros(0, np.int64)
+        keys = np.concatenate([fresh, fresh[:20], gone])  # some blocks stored twice
+        signs = np.concatenate([np.ones(per_step + 20, np.int8), -np.ones(len(gone), np.int8)])
+        meds = (np.arange(len(keys)) % 2).astype(np.uint8)  # GPU and CPU
+        meds[per_step : per_step + 20] = meds[:20]
+        bc.apply(keys, meds, np.zeros(len(keys), np.uint8), signs)
+        if len(gone):  # the extra copies go with their block
+            bc.apply(gone[:20], meds[:20], np.zeros(20, np.uint8), -np.ones(20, np.int8))
+        while len(batch := ks.take_batch(4096)):
+            ks.confirm(batch)
+        if step >= 600:  # the second half: sizes must not grow with the keys seen
+            for m in range(ks.mediums):
+                t = ks.table(m)
+                sizes.add((m, t.idx.cap, len(t.cols["masks"]), len(bc._mark)))
+    assert bc.held() == hold_steps * per_step  # (key, medium, group)s: copies count once
+    assert len(ks.published()[0]) == hold_steps * per_step
+    for m, cap, col, mark in sizes:
+        assert cap == key_state._MIN_CAP, (m, cap)  # never grew past the first capacity
+        assert col <= cap and mark <= cap, (m, col, mark)
+    assert all(ks.table(m).n < key_state._MIN_CAP for m in range(ks.mediums))

@@ -4,6 +4,12 @@ arguments exit 2 naming the option."""
 from __future__ import annotations
 
 import itertools
+import random
+import types
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,3 +45,78 @@ def test_chaos_bad_sources_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         chaos.parse(["--sources", "ring,tape"])
     assert exc.value.code == 2
     assert "--sources" in capsys.readouterr().err
+
+
+def test_chaos_faults_none_is_an_empty_schedule() -> None:
+    args = chaos.parse(["--faults", "none", "--duration", "30"])
+    assert args.faults == []
+    assert chaos.schedule(7, 30, list(chaos.SOURCES), args.faults) == []
+
+
+def _samples(rss_kb: Sequence[float], every_s: float = 10.0) -> list[tuple[float, int, int, int]]:
+    return [(i * every_s, int(r), 20, 500) for i, r in enumerate(rss_kb)]
+
+
+def test_chaos_leak_figure_leaves_warm_up_out_of_the_slope() -> None:
+    # 60 MB rising to 70 MB over the first third, then flat: warm-up, no growth after it
+    rss = [60 * 1024 + min(i, 40) * 256 for i in range(121)]
+    fig = chaos.leak_figure(_samples(rss))
+    assert fig["rss_growth_mb_per_h"] == 0.0
+    assert fig["rss_mb_after_warmup"] == [70.0, 70.0]
+    assert fig["fds_after_warmup"] == [20, 20] and fig["held_keys_after_warmup"] == [500, 500]
+
+
+def test_chaos_leak_figure_measures_a_steady_leak_in_mb_per_hour() -> None:
+    # +1 MB every 360 s: 10 MB/h, the same over the last third (a leak keeps its slope)
+    rss = [60 * 1024 + i * 1024 * 10 / 360 for i in range(361)]
+    fig = chaos.leak_figure(_samples(rss))
+    assert fig["rss_growth_mb_per_h"] == pytest.approx(10, abs=0.05)
+    assert fig["rss_growth_last_third_mb_per_h"] == pytest.approx(10, abs=0.05)
+
+
+def test_chaos_key_history_from_differences_equals_the_samples_and_stays_bounded() -> None:
+    rng = random.Random(25)
+    ch = chaos.Changes(depth=60)
+    samples: list[tuple[float, set[int], set[int]]] = []
+    truth: set[int] = set()
+    for i in range(400):
+        if rng.random() < 0.7:  # a new truth set (a workload step), else the same object
+            truth = (truth - {rng.randrange(40) for _ in range(3)}) | {rng.randrange(40)}
+        seen = {k for k in truth if rng.random() < 0.9} | {rng.randrange(40)}
+        ch.add(i * 0.5, truth, seen)
+        samples.append((i * 0.5, truth, seen))
+    assert len(ch.rows) == 60  # the checker's memory follows the depth, not the run's length
+    for k in range(40):
+        want = [(round(t, 2), k in tr, k in sn) for t, tr, sn in samples[-60:]]
+        assert ch.rows_for(k) == want
+
+
+class _CountingSet(set[tuple[int, str]]):
+    unions = 0
+
+    def __or__(self, other: AbstractSet[Any]) -> _CountingSet:  # type: ignore[override]
+        _CountingSet.unions += 1
+        return _CountingSet(set.__or__(self, other))
+
+
+def test_chaos_checker_takes_a_mass_removal_in_a_bounded_number_of_set_operations(
+    tmp_path: Path,
+) -> None:
+    # 20 000 of 25 000 held keys removed at once (a flood's half) once made the checker build
+    # a union of every held set per removed key: minutes with the run's loop (and its fault
+    # proxies) blocked, in the hour-long soak.
+    run = chaos.Run(chaos.parse(["--sources", "plain", "--faults", "none"]), tmp_path)
+    run.track("plain")
+    host = types.SimpleNamespace()
+    held = _CountingSet((k, "hbm") for k in range(25_000))
+    kept = _CountingSet((k, "hbm") for k in range(20_000, 25_000))
+    # the engine drops them, then KVCM does (the checker sees a removal it applied)
+    for truth, seen in ((held, set(held)), (kept, set(held)), (kept, set(kept))):
+        host.truth = truth
+        run.check_sample("plain", host, seen, 1.0)  # type: ignore[arg-type]
+    _CountingSet.unions = 0
+    host.truth = kept
+    run.check_sample("plain", host, set(kept), 1.5)  # type: ignore[arg-type]
+    assert _CountingSet.unions <= 4
+    assert run.gone["plain"] == {(k, "hbm") for k in range(20_000)}  # the removals KVCM showed
+    assert run.violations == []

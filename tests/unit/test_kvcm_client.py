@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -16,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.kvcm_client.client import CODE_NAMES, Action, KvcmClient, classify_code
+from sidecar.kvcm_client.transport import Http1
 from sidecar.publisher import Backoff
 
 SCRIPT: dict[str, tuple[int, bytes, float]] = {}
@@ -261,3 +263,48 @@ def test_backoff_capped_jittered_never_below_retry_after(
         assert d <= max(cap, min(retry_after, 300.0))
     b.reset()
     assert b.attempt == 0
+
+
+def _open_client_sockets(port: int) -> int:
+    """Sockets to 127.0.0.1:port still held open by a file descriptor (a socket closed with
+    unsent bytes lingers in the kernel as an orphan, inode 0, holding nothing of ours)."""
+    n = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if int(f[2].rsplit(":", 1)[1], 16) == port and int(f[9]) != 0:
+            n += 1
+    return n
+
+
+class _Deaf(asyncio.Protocol):
+    """A manager that accepts and never reads (hung, or a partition holding the bytes)."""
+
+    accepted: list[asyncio.Transport] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.pause_reading()
+        self.accepted.append(transport)
+
+
+async def test_client_lean_timeout_against_a_peer_that_stops_reading_frees_the_connection() -> None:
+    """A snapshot body that cannot be sent is dropped with its connection when the request
+    times out: a graceful close would wait for the peer to read it, keeping the fd and the body
+    of every retry (the soak's sidecar: six 5.8 MB bodies, fds 17 -> 26)."""
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(_Deaf, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    body = b"x" * (16 << 20)  # far more than the socket buffers take
+    lean = Http1(f"http://127.0.0.1:{port}")
+    for _ in range(3):
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await lean.post("/api/reportEvent", body, 4096)
+    await asyncio.sleep(0)  # the aborted transports' close callbacks
+    assert _open_client_sockets(port) == 0  # no connection (fd) kept with a retry's body
+    lean.close()
+    for t in _Deaf.accepted:
+        t.abort()
+    _Deaf.accepted.clear()
+    server.close()
+    await server.wait_closed()
