@@ -73,7 +73,8 @@ async def test_readyz_503_before_registration_200_ready_503_while_draining(h: Ha
 
     await _until(draining, 2.0)
     await h.faults(clear=True)
-    assert side.p.wait(timeout=15) == 0
+    # waited in a thread: the in-process KVCM must go on answering (HOST_DOWN)
+    assert await asyncio.to_thread(side.p.wait, 15) == 0
 
 
 def _status(h: Harness, *extra: str) -> subprocess.CompletedProcess[str]:
