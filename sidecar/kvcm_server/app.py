@@ -233,6 +233,8 @@ class KvcmServer:
                     try:
                         for _ in steps:
                             await asyncio.sleep(0)  # serve requests between pieces
+                    except OSError as exc:  # a full or read-only disk: retried while dirty
+                        log.warning("kvcm-server: state file not saved: %s", exc)
                     finally:
                         steps.close()  # cancelled at shutdown: drop the partial file now
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import gc
 import itertools
 import json
+import os
 import re
+import tempfile
 from array import array
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -238,6 +240,7 @@ class State:
         self.owned: dict[tuple[str, str, str], KeySet] = {}
         self.reporters: dict[tuple[str, str, str], Reporter] = {}
         self.dirty = False
+        self._save_started = self._save_landed = 0  # save_steps tickets: the newest lands
         self._loaded_specs: dict[Specs, Specs] = {}
         if state_file is not None and state_file.exists():
             self._load(state_file)
@@ -263,10 +266,17 @@ class State:
         )
         snap = [(inst, [dict(s) for s in keys.shards]) for inst, keys in self.blocks.items()]
         self.dirty = False
-        tmp = path.with_suffix(".tmp")
+        # An admin request (registerInstance, ...) saves in one go while the periodic saver's
+        # steps may be half way through their file: each save has a file of its own (sharing
+        # one truncated the other's and left a torn state file that no restart could load),
+        # and one that finishes after a later-started save has landed is dropped (it is older).
+        self._save_started += 1
+        mine = self._save_started
+        fd, name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        tmp = Path(name)
         done = False
         try:
-            with tmp.open("wb") as f:  # written piece by piece: no whole-file buffer
+            with os.fdopen(fd, "wb") as f:  # written piece by piece: no whole-file buffer
                 f.write(head[:-1] + b',"blocks":{')
                 for i, (inst, shards) in enumerate(snap):
                     f.write(b"," * (i > 0) + msgspec.json.encode(inst) + b":[")
@@ -283,12 +293,14 @@ class State:
                             yield
                     f.write(b"]")
                 f.write(b"}}")
-            tmp.replace(path)
+            if mine > self._save_landed:
+                tmp.replace(path)
+                self._save_landed = mine
             done = True
         finally:
+            tmp.unlink(missing_ok=True)  # replaced (gone), superseded, or abandoned
             if not done:
                 self.dirty = True  # abandoned (shutdown): the final save() writes it
-                tmp.unlink(missing_ok=True)
 
     def save_blocks_later(self) -> None:
         """Block writes are persisted by the server's periodic saver and at shutdown."""
