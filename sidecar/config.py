@@ -292,9 +292,11 @@ def _check_zmq(z: ZmqConfig) -> None:
             "adapter's blocks are reported under their own instance's token keys), not "
             f"{z.key_mode}"
         )
-    if z.lora_adapter and z.engine == "sglang":
+    if z.lora_adapter and z.engine != "vllm":
         raise ValueError(
-            f"source.zmq.lora_adapter {z.lora_adapter!r}: SGLang's events carry no LoRA field"
+            f"source.zmq.lora_adapter {z.lora_adapter!r} needs source.zmq.engine=vllm, not "
+            f"{z.engine} (SGLang's events carry no LoRA field: an adapter's sidecar would "
+            "report nothing)"
         )
 
 

@@ -448,7 +448,9 @@ class Rekey:
                 out += self._known(g, key, v)
             return out
         name, lid = self._lora_of(ev)
-        if self.lora_adapter and self.lora_adapter not in (name or None, lid or None):
+        # By name whenever the event names its adapter (ids may be reassigned as adapters
+        # load), by id only where no name is sent (older releases).
+        if self.lora_adapter and self.lora_adapter != (name or lid or None):
             self._count(OTHER_INSTANCE, nb)  # no entries: nothing here may chain from them
             return []
         if not _full_attention(getattr(ev, "kv_cache_spec_kind", None)):
@@ -505,7 +507,7 @@ class Rekey:
         if (name or lid) and not self.lora_adapter:
             self._taint(g, engine[start:], LORA)
             return out
-        first_extra = self._first_extra(getattr(ev, "extra_keys", None), nb, name)
+        first_extra = self._first_extra(getattr(ev, "extra_keys", None), nb, name, lid)
         stop = max(first_extra, start)
         if start < stop:
             # the state after every step tokens, from the chain's known state
@@ -562,11 +564,11 @@ class Rekey:
                     v = _LORA.decode(_raw(raw))
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     v = "?"
-            out.append("" if v is None else str(v))
+            out.append("" if v is None else str(v) or "?")  # an empty name is still a LoRA's
         return out[0], out[1]
 
     @staticmethod
-    def _first_extra(raw: Any, nb: int, lora: str = "") -> int:
+    def _first_extra(raw: Any, nb: int, lora: str = "", lora_id: str = "") -> int:
         """Index of the first block with extra keys (nb: none); unreadable counts as extra.
         vLLM puts an adapter's name first in every block's extra keys: in the adapter's own
         instance that one is not an extra key."""
@@ -579,7 +581,9 @@ class Rekey:
         if not isinstance(extra, list):
             return 0
         for j, e in enumerate(extra[:nb]):
-            if lora and isinstance(e, list) and e and e[0] == lora:
+            if (lora or lora_id) and isinstance(e, list) and e and e[0] in (lora, lora_id):
+                e = e[1:]  # the adapter itself (its name; an id-only release's id)
+            elif lora_id and isinstance(e, list) and e and str(e[0]) == lora_id:
                 e = e[1:]
             if e is not None and e != [] and e != ():
                 return j

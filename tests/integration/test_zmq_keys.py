@@ -178,7 +178,13 @@ async def test_zmq_keys_lora_adapter_reported_under_its_own_instance(
     sql = f"{h.instance_id}-sql"
     base = sidecar(h, pub, tmp_path, h.host)
     adapter = sidecar(
-        h, pub, tmp_path, h.host, instance=sql, subscribers=2, **{"source.zmq.lora_adapter": "sql"}
+        h,
+        pub,
+        tmp_path,
+        h.host,
+        instance=sql,
+        subscribers=2,
+        **{"source.zmq.lora_adapter": "sql", "source.zmq.engine": "vllm"},
     )
     try:
         other = [(i * 13 + 5) % 5000 for i in range(16)]

@@ -158,9 +158,20 @@ def test_rekey_lora_adapter_instance_reports_only_its_adapter_under_token_keys()
     by_id.send([by_id.stored([h("i2")], toks[:4], lora_id=9)])
     assert by_id.held() == set(K.rolling_keys(toks[:4], 4))
 
+    # an id-only release that puts the id first in the extra keys
+    by_id.send([by_id.stored([h("i3")], toks[4:8], h("i1"), lora_id=7, extra_keys=[[7]])])
+    assert by_id.held() == set(K.rolling_keys(toks[:8], 4))
+    # an event that names its adapter is matched by name only: id 7 of another adapter, or
+    # an adapter named "7" with another id, belong to the one the name says
+    by_id.send([by_id.stored([h("o1")], toks[:4], lora_name="other", lora_id=7)])
+    by_id.send([by_id.stored([h("n1")], toks[4:8], lora_name="7", lora_id=3)])
+    assert by_id.rekey.unkeyed["other_instance"] == 2
+    assert by_id.held() == set(K.rolling_keys(toks[:8], 4)) | {K.rolling_keys(toks[4:8], 4)[0]}
+
     base = Rig(4, 4)  # the base model's sidecar: the adapter's blocks are not reported there
     base.send([sql(base, [h("a1"), h("a2")], toks[:8])])
-    assert base.held() == set() and base.rekey.unkeyed["lora"] == 2
+    base.send([base.stored([h("e1")], toks[:4], lora_name="")])  # named, if emptily: a LoRA's
+    assert base.held() == set() and base.rekey.unkeyed["lora"] == 3
 
 
 def test_lora_adapter_config_needs_rolling_and_vllm() -> None:
@@ -177,9 +188,11 @@ def test_lora_adapter_config_needs_rolling_and_vllm() -> None:
     with pytest.raises(ConfigError, match=r"source.zmq.lora_adapter 'sql' needs .*rolling"):
         load(env=env)
     env["KV_CACHE_EVENT_ZMQ_KEY_MODE"] = "rolling"
+    for engine in ("sglang", "auto"):  # auto may find SGLang, whose events carry no LoRA
+        with pytest.raises(ConfigError, match=r"lora_adapter 'sql' needs source.zmq.engine=vllm"):
+            load(env={**env, "KV_CACHE_EVENT_ZMQ_ENGINE": engine})
+    env["KV_CACHE_EVENT_ZMQ_ENGINE"] = "vllm"
     assert load(env=env).source.zmq.lora_adapter == "sql"
-    with pytest.raises(ConfigError, match=r"lora_adapter 'sql': SGLang"):
-        load(env={**env, "KV_CACHE_EVENT_ZMQ_ENGINE": "sglang"})
 
 
 def test_rekey_malformed_is_counted_and_nothing_else_lost() -> None:
