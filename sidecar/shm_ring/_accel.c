@@ -31,18 +31,6 @@
 #define KIND_STORED 1
 #define KIND_REMOVED 2
 
-static int get(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, int writable,
-               const char *what) {
-    if (PyObject_GetBuffer(obj, view, writable ? PyBUF_CONTIG : PyBUF_CONTIG_RO) < 0)
-        return -1;
-    if (view->itemsize != itemsize) {
-        PyErr_Format(PyExc_TypeError, "%s: items of %zd bytes, expected %zd", what,
-                     view->itemsize, itemsize);
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
 
 /* find(ukeys, tkeys, tpos, dense, out, n, insert) -> the new n, or -1 - n if the index is full
  * (the keys before the one that found no slot are in).
@@ -56,11 +44,11 @@ static PyObject *find(PyObject *self, PyObject *args) {
                           &insert))
         return NULL;
     Py_buffer vk, vt, vp, vd, vo;
-    if (get(o_keys, &vk, 8, 0, "keys") < 0) return NULL;
-    if (get(o_tkeys, &vt, 8, 1, "tkeys") < 0) goto e1;
-    if (get(o_tpos, &vp, 8, 1, "tpos") < 0) goto e2;
-    if (get(o_dense, &vd, 8, 1, "dense") < 0) goto e3;
-    if (get(o_out, &vo, 8, 1, "out") < 0) goto e4;
+    if (kvcm_view(o_keys, &vk, 8, 0, "keys") < 0) return NULL;
+    if (kvcm_view(o_tkeys, &vt, 8, 1, "tkeys") < 0) goto e1;
+    if (kvcm_view(o_tpos, &vp, 8, 1, "tpos") < 0) goto e2;
+    if (kvcm_view(o_dense, &vd, 8, 1, "dense") < 0) goto e3;
+    if (kvcm_view(o_out, &vo, 8, 1, "out") < 0) goto e4;
     Py_ssize_t m = vk.len / 8, cap = vt.len / 8, room = vd.len / 8;
     if (vp.len != vt.len || (cap & (cap - 1)) || cap < 2 || vo.len / 8 < m || n < 0 ||
         (insert && room < n + m)) {
@@ -129,9 +117,9 @@ static PyObject *apply(PyObject *self, PyObject *args) {
     PyObject *o_pos, *o_metas, *o_masks;
     if (!PyArg_ParseTuple(args, "OOO", &o_pos, &o_metas, &o_masks)) return NULL;
     Py_buffer vp, vm, vk;
-    if (get(o_pos, &vp, 8, 0, "pos") < 0) return NULL;
-    if (get(o_metas, &vm, 8, 0, "metas") < 0) goto e1;
-    if (get(o_masks, &vk, 4, 1, "masks") < 0) goto e2;
+    if (kvcm_view(o_pos, &vp, 8, 0, "pos") < 0) return NULL;
+    if (kvcm_view(o_metas, &vm, 8, 0, "metas") < 0) goto e1;
+    if (kvcm_view(o_masks, &vk, 4, 1, "masks") < 0) goto e2;
     Py_ssize_t m = vp.len / 8, cols = vk.len / 4;
     const int64_t *pos = vp.buf;
     const uint64_t *metas = vm.buf;
@@ -738,8 +726,8 @@ static PyObject *rolling(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_buffer vt, vo;
-    if (get(o_tok, &vt, 8, 0, "tokens") < 0) return NULL;
-    if (get(o_out, &vo, 8, 1, "out") < 0) {
+    if (kvcm_view(o_tok, &vt, 8, 0, "tokens") < 0) return NULL;
+    if (kvcm_view(o_out, &vo, 8, 1, "out") < 0) {
         PyBuffer_Release(&vt);
         return NULL;
     }
@@ -832,10 +820,10 @@ static PyObject *fold_apply(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOLO", &o_pos, &o_metas, &o_masks, &required, &o_out))
         return NULL;
     Py_buffer vp, vm, vk, vo;
-    if (get(o_pos, &vp, 8, 0, "pos") < 0) return NULL;
-    if (get(o_metas, &vm, 8, 0, "metas") < 0) goto f1;
-    if (get(o_masks, &vk, 8, 1, "masks") < 0) goto f2;
-    if (get(o_out, &vo, 8, 1, "out") < 0) goto f3;
+    if (kvcm_view(o_pos, &vp, 8, 0, "pos") < 0) return NULL;
+    if (kvcm_view(o_metas, &vm, 8, 0, "metas") < 0) goto f1;
+    if (kvcm_view(o_masks, &vk, 8, 1, "masks") < 0) goto f2;
+    if (kvcm_view(o_out, &vo, 8, 1, "out") < 0) goto f3;
     Py_ssize_t m = vp.len / 8, cols = vk.len / 8;
     const int64_t *pos = vp.buf;
     const uint64_t *metas = vm.buf;
@@ -908,8 +896,8 @@ static PyObject *digits(PyObject *self, PyObject *args) {
     Py_ssize_t at, width, col;
     if (!PyArg_ParseTuple(args, "OnnnO", &o_buf, &at, &width, &col, &o_keys)) return NULL;
     Py_buffer vb, vk;
-    if (get(o_buf, &vb, 1, 1, "buf") < 0) return NULL;
-    if (get(o_keys, &vk, 8, 0, "keys") < 0) {
+    if (kvcm_view(o_buf, &vb, 1, 1, "buf") < 0) return NULL;
+    if (kvcm_view(o_keys, &vk, 8, 0, "keys") < 0) {
         PyBuffer_Release(&vb);
         return NULL;
     }

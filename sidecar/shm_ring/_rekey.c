@@ -879,17 +879,6 @@ static int removed(KT *t, int g, const int64_t *eng, Py_ssize_t nb, Out *o) {
     return 0;
 }
 
-static int buf(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, int writable,
-               const char *what) {
-    if (PyObject_GetBuffer(obj, view, writable ? PyBUF_CONTIG : PyBUF_CONTIG_RO) < 0) return -1;
-    if (view->itemsize != itemsize) {
-        PyErr_Format(PyExc_TypeError, "%s: items of %zd bytes, expected %zd", what,
-                     view->itemsize, itemsize);
-        PyBuffer_Release(view);
-        return -1;
-    }
-    return 0;
-}
 
 /* rekey(codes, counts, keys, events, i, end, blk, m, out_keys, out_mediums, out_groups,
  *       out_signs, counters, e, k, both, sglang) -> (i, blk, m)
@@ -919,21 +908,21 @@ static PyObject *kt_rekey(KT *t, PyObject *args) {
     Py_buffer vc, vn, vk, vok, vom, vog, vos, vcnt;
     int got = 0;
     PyObject *ret = NULL;
-    if (buf(o_codes, &vc, 8, 0, "codes") < 0) return NULL;
+    if (kvcm_view(o_codes, &vc, 8, 0, "codes") < 0) return NULL;
     got++;
-    if (buf(o_counts, &vn, 8, 0, "counts") < 0) goto done;
+    if (kvcm_view(o_counts, &vn, 8, 0, "counts") < 0) goto done;
     got++;
-    if (buf(o_keys, &vk, 8, 0, "keys") < 0) goto done;
+    if (kvcm_view(o_keys, &vk, 8, 0, "keys") < 0) goto done;
     got++;
-    if (buf(o_ok, &vok, 8, 1, "out_keys") < 0) goto done;
+    if (kvcm_view(o_ok, &vok, 8, 1, "out_keys") < 0) goto done;
     got++;
-    if (buf(o_om, &vom, 1, 1, "out_mediums") < 0) goto done;
+    if (kvcm_view(o_om, &vom, 1, 1, "out_mediums") < 0) goto done;
     got++;
-    if (buf(o_og, &vog, 1, 1, "out_groups") < 0) goto done;
+    if (kvcm_view(o_og, &vog, 1, 1, "out_groups") < 0) goto done;
     got++;
-    if (buf(o_os, &vos, 1, 1, "out_signs") < 0) goto done;
+    if (kvcm_view(o_os, &vos, 1, 1, "out_signs") < 0) goto done;
     got++;
-    if (buf(o_cnt, &vcnt, 8, 1, "counters") < 0) goto done;
+    if (kvcm_view(o_cnt, &vcnt, 8, 1, "counters") < 0) goto done;
     got++;
     if (vcnt.len < 8 * C_N || end > vc.len / 8 || end > vn.len / 8 ||
         end > PyList_GET_SIZE(events) || i < 0 || blk < 0 || m < 0) {

@@ -24,4 +24,21 @@ static inline uint64_t kvcm_roll_block(uint64_t h, const uint64_t *t, Py_ssize_t
     for (Py_ssize_t j = 0; j < n; j++) h = kvcm_roll_step(h, t[j]);
     return h;
 }
+/* A contiguous buffer of `itemsize`-byte items (read-only unless `writable`), or -1 with
+ * TypeError naming `what`; both modules' argument arrays go through it. Needs Python.h first. */
+#ifdef Py_PYTHON_H
+static int kvcm_view(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, int writable,
+                     const char *what) {
+    if (PyObject_GetBuffer(obj, view, writable ? PyBUF_CONTIG : PyBUF_CONTIG_RO) < 0)
+        return -1;
+    if (view->itemsize != itemsize) {
+        PyErr_Format(PyExc_TypeError, "%s: items of %zd bytes, expected %zd", what,
+                     view->itemsize, itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+#endif
+
 #endif
