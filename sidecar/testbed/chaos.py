@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from sidecar.child import Proc, spawn
 from sidecar.testbed.fault_proxy import FaultProxy
@@ -175,9 +176,42 @@ def leak_figure(pts: list[tuple[float, int, int, int]]) -> dict[str, Any]:
         "rss_mb_after_warmup": [round(warm[0][1] / mb, 1), round(warm[-1][1] / mb, 1)],
         "rss_growth_mb_per_h": round(slope_per_h([(p[0], p[1] / mb) for p in warm]), 2),
         "rss_growth_last_third_mb_per_h": round(slope_per_h([(p[0], p[1] / mb) for p in last]), 2),
+        "rss_growth_net_of_held_mb_per_h": round(net_of_held_per_h(warm), 2),
+        "rss_floor_growth_mb_per_h": round(slope_per_h(floor(warm)), 2),
         "fds_after_warmup": [min(p[2] for p in warm), max(p[2] for p in warm)],
         "held_keys_after_warmup": [min(p[3] for p in warm), max(p[3] for p in warm)],
     }
+
+
+def net_of_held_per_h(pts: list[tuple[float, int, int, int]]) -> float:
+    """RSS growth per hour that the engine's held keys do not explain: the time coefficient of a
+    least-squares fit of RSS (MB) on time and held keys together. A sidecar whose engine floods
+    it (ring_overflow: ~500 -> ~20 000 keys and back) swings by megabytes with its key tables;
+    a plain slope over a flood-dense span reads that as growth, this one does not. Equal to the
+    plain slope when the held keys do not vary."""
+    if len(pts) < 3:
+        return slope_per_h([(p[0], p[1] / 1024.0) for p in pts])
+    a = np.array([(1.0, p[0] / 3600.0, float(p[3])) for p in pts])
+    y = np.array([p[1] / 1024.0 for p in pts])
+    if np.ptp(a[:, 2]) == 0:
+        a = a[:, :2]
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    return float(coef[1])
+
+
+def floor(pts: list[tuple[float, int, int, int]], windows: int = 10) -> list[tuple[float, float]]:
+    """The lowest RSS (MB) of each of `windows` equal spans, at its time: floods and bursts
+    raise RSS for a while and give it back (to the allocator's trim), a leak raises the floor."""
+    if len(pts) < 2:
+        return [(p[0], p[1] / 1024.0) for p in pts]
+    t0, t1 = pts[0][0], pts[-1][0]
+    width = (t1 - t0) / windows or 1.0
+    lows: dict[int, tuple[float, float]] = {}
+    for t, rss, *_ in pts:
+        w = min(int((t - t0) / width), windows - 1)
+        if w not in lows or rss / 1024.0 < lows[w][1]:
+            lows[w] = (t, rss / 1024.0)
+    return [lows[w] for w in sorted(lows)]
 
 
 class Changes:

@@ -74,6 +74,26 @@ def test_chaos_leak_figure_measures_a_steady_leak_in_mb_per_hour() -> None:
     assert fig["rss_growth_last_third_mb_per_h"] == pytest.approx(10, abs=0.05)
 
 
+def _flooded(leak_mb_per_h: float) -> list[tuple[float, int, int, int]]:
+    # an engine that floods its sidecar now and then (500 -> 20 000 keys, 250 B each), denser
+    # late in the run than early: the plain slope reads the floods as growth
+    out = []
+    for i in range(361):
+        t = i * 10.0
+        held = 20_000 if (i % 40 > 30 if i < 240 else i % 40 > 10) else 500
+        rss_kb = 60 * 1024 + held * 250 / 1024 + leak_mb_per_h * 1024 * t / 3600
+        out.append((t, int(rss_kb), 20, held))
+    return out
+
+
+@pytest.mark.parametrize("leak", [0.0, 6.0])
+def test_chaos_leak_figure_net_of_held_keys_tells_floods_from_a_leak(leak: float) -> None:
+    fig = chaos.leak_figure(_flooded(leak))
+    assert abs(fig["rss_growth_mb_per_h"] - leak) > 2  # the floods skew the plain slope
+    assert fig["rss_growth_net_of_held_mb_per_h"] == pytest.approx(leak, abs=0.05)
+    assert fig["rss_floor_growth_mb_per_h"] == pytest.approx(leak, abs=0.2)
+
+
 def test_chaos_key_history_from_differences_equals_the_samples_and_stays_bounded() -> None:
     rng = random.Random(25)
     ch = chaos.Changes(depth=60)
