@@ -150,7 +150,12 @@ class Node:
     def terminate(self) -> int:
         """SIGTERM: a graceful stop (blocks saved, lease released); the exit code."""
         self.p.send_signal(signal.SIGTERM)
-        rc = self.p.wait(timeout=20)
+        try:
+            rc = self.p.wait(timeout=20)
+        except subprocess.TimeoutExpired:  # say where it was, not only that it hung
+            tail = "".join(self.lines.log[-20:])
+            node = self.argv[self.argv.index("--node-id") + 1]
+            raise AssertionError(f"{node} still running 20 s after SIGTERM: {tail}") from None
         if self.p.stdout is not None:
             self.p.stdout.close()
         return rc
