@@ -610,7 +610,7 @@ class Run:
         self.started = False  # the world is up and the nemesis may begin (main() retries before)
         self.violations: list[Violation] = []
         self.injected: dict[str, int] = {}
-        self.active: list[tuple[float, float, str]] = []  # (start, end, target) of faults
+        self.active: list[list[Any]] = []  # [start, end, target] of faults (begin, healed)
         self.stale_since: dict[str, dict[tuple[int, str], float]] = {}
         self.gone: dict[str, set[tuple[int, str]]] = {}  # removals KVCM was seen to apply
         self.history: dict[str, list[tuple[float, set[Any], set[Any]]]] = {}  # the last 3
@@ -693,7 +693,7 @@ class Run:
         """How long a removed key may stay visible: flush + RTT + the periodic snapshot + the
         faults that touched this host (or KVCM) while it waited, + KVCM's liveness timeout
         when one did (a dead sidecar's keys stay until then)."""
-        touched = sum(
+        touched: float = sum(
             min(end, now) - max(start, since)
             for start, end, target in self.active
             if target in (name, "kvcm") and start < now and end > since
@@ -815,11 +815,33 @@ class Run:
             if delay > 0:
                 await asyncio.sleep(delay)  # the schedule's own clock
             self.injected[f.kind] = self.injected.get(f.kind, 0) + 1
-            self.active.append((self.now(), self.now() + self.aftermath(f), f.target))
-            running.append(asyncio.create_task(self.inject(s, f)))
+            running.append(asyncio.create_task(self.injected_for_its_window(s, f)))
         await asyncio.gather(*running, return_exceptions=False)
         if (rest := self.duration - self.now()) > 0:
             await asyncio.sleep(rest)  # the workloads run for the whole duration
+
+    def begin(self, f: Fault) -> list[Any]:
+        """A fault's window of effects, [start, end, target], from its injection: its hold and
+        then its aftermath."""
+        now = self.now()
+        window: list[Any] = [now, now + self.aftermath(f), f.target]
+        self.active.append(window)
+        return window
+
+    def healed(self, window: list[Any], f: Fault) -> None:
+        """The injection has ended: the aftermath counts from here if that is later. A KVCM
+        restart on a loaded machine takes seconds to save, exit and listen again, and what
+        follows it (re-registration, the snapshots that replace what it persisted) starts
+        only then; counted from the injection, its window had closed before the stale
+        entries it restored were first shown (the soak's seed 6300)."""
+        window[1] = max(window[1], self.now() + self.aftermath(f) - f.hold)
+
+    async def injected_for_its_window(self, s: aiohttp.ClientSession, f: Fault) -> None:
+        window = self.begin(f)
+        try:
+            await self.inject(s, f)
+        finally:
+            self.healed(window, f)
 
     @staticmethod
     def aftermath(f: Fault) -> float:

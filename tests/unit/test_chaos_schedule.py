@@ -140,3 +140,30 @@ def test_chaos_checker_takes_a_mass_removal_in_a_bounded_number_of_set_operation
     assert _CountingSet.unions <= 4
     assert run.gone["plain"] == {(k, "hbm") for k in range(20_000)}  # the removals KVCM showed
     assert run.violations == []
+
+
+def test_chaos_a_slow_kvcm_restart_keeps_its_window_open_until_after_it_healed(
+    tmp_path: Path,
+) -> None:
+    # The soak's seed 6300: a KVCM restart that took seconds (state save, exit, a new process
+    # listening) on a loaded machine; the stale entries it restored first showed after a
+    # window counted from the injection had closed, and were judged by the calm bound.
+    run = chaos.Run(chaos.parse(["--sources", "plain", "--faults", "none"]), tmp_path)
+    clock = [100.0]
+    run.now = lambda: clock[0]  # type: ignore[method-assign]
+    f = chaos.Fault(at=0.0, hold=0.4, kind="kvcm_restart", target="kvcm")
+    window = run.begin(f)
+    tail = chaos.Run.aftermath(f) - f.hold
+    assert window[1] == pytest.approx(100.0 + f.hold + tail)
+    clock[0] = 112.0  # the new server listens 12 s after the injection
+    run.healed(window, f)
+    assert window[1] == pytest.approx(112.0 + tail)
+    since = 112.5  # a restored stale entry first shown then
+    assert run.bound("plain", since, since + run.calm_bound_s + 1) > run.calm_bound_s
+    clock[0] = 200.0
+    assert run.bound("plain", 150.0, 160.0) == run.calm_bound_s  # long after: calm again
+    # a quick injection never shortens the window it began with
+    quick = run.begin(f)
+    end = quick[1]
+    run.healed(quick, f)
+    assert quick[1] == end
