@@ -167,3 +167,35 @@ def test_chaos_a_slow_kvcm_restart_keeps_its_window_open_until_after_it_healed(
     end = quick[1]
     run.healed(quick, f)
     assert quick[1] == end
+
+
+@pytest.mark.parametrize("hidden", [True, False])
+def test_chaos_a_stale_key_shown_as_its_reporter_reappears_counts_the_faults_while_hidden(
+    tmp_path: Path, hidden: bool
+) -> None:
+    # The soak's seed 6300: KVCM restarted (with its state file), then 503s; the reporter
+    # stayed hidden until its first event got through, and the entries KVCM restored showed,
+    # one of them stale, after those faults' windows had closed. Shown with no hiding before,
+    # the same key is judged by the calm bound, as before.
+    run = chaos.Run(chaos.parse(["--sources", "plain", "--faults", "none"]), tmp_path)
+    run.track("plain")
+    clock = [10.0]
+    run.now = lambda: clock[0]  # type: ignore[method-assign]
+    held = {(k, "hbm") for k in range(10)}
+    stale_key = (99, "hbm")
+    host = types.SimpleNamespace(truth=held)
+    run.check_sample("plain", host, set(held), 10.0)  # type: ignore[arg-type]
+    f = chaos.Fault(at=0.0, hold=0.4, kind="kvcm_restart", target="kvcm")
+    run.healed(run.begin(f), f)
+    t = 11.0
+    if hidden:
+        while t < 30.0:  # hidden for 19 s, long after the restart's window
+            run.check_sample("plain", host, set(), t)  # type: ignore[arg-type]
+            t += 0.5
+    else:
+        t = 30.0
+    while t < 30.0 + run.calm_bound_s + 2:
+        run.check_sample("plain", host, held | {stale_key}, t)  # type: ignore[arg-type]
+        t += 0.5
+    stale = [v for v in run.violations if v.kind == "stale"]
+    assert (stale == []) is hidden, stale
