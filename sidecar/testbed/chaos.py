@@ -619,6 +619,8 @@ class Run:
         self.stop_work = asyncio.Event()
         self.calm_bound_s: float = args.calm_bound_s
         self.back_since: dict[str, dict[tuple[int, str], float]] = {}
+        self.stale_after_hiding: dict[str, int] = {}  # keys only the hidden span's faults excused
+        self.excused: dict[str, set[tuple[int, str]]] = {}  # those keys (counted once each)
         self.hidden_from: dict[str, float] = {}  # the host's reporter hidden since (check_sample)
         self.bound_from: dict[str, dict[tuple[int, str], float]] = {}  # a stale key's faults from
 
@@ -753,6 +755,12 @@ class Run:
             since = stale[k]
             if now - since > self.bound(name, min(since, first_shown.get(k, since)), now):
                 late.append(k)
+            elif k in first_shown and now - since > self.bound(name, since, now):
+                # within its bound only for the faults while hidden: said in the summary, once
+                excused = self.excused.setdefault(name, set())
+                if k not in excused:
+                    excused.add(k)
+                    self.stale_after_hiding[name] = self.stale_after_hiding.get(name, 0) + 1
         if late:
             self.violate("stale", name, now, sorted(late)[:10], since=min(stale[k] for k in late))
             for k in late:
@@ -1069,6 +1077,7 @@ class Run:
             "sources": self.sources,
             "faults": dict(sorted(self.injected.items())),
             "violations": [asdict(v) for v in self.violations],
+            "stale_after_hiding": dict(sorted(self.stale_after_hiding.items())),
             **end,
             "leaks": self.leaks(),
             "resources": self.resources[:: max(1, len(self.resources) // 40)],

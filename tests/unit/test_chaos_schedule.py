@@ -199,3 +199,4 @@ def test_chaos_a_stale_key_shown_as_its_reporter_reappears_counts_the_faults_whi
         t += 0.5
     stale = [v for v in run.violations if v.kind == "stale"]
     assert (stale == []) is hidden, stale
+    assert run.stale_after_hiding == ({"plain": 1} if hidden else {})  # said in the summary
