@@ -133,7 +133,10 @@ class Daemon:
                 raise IdentityBusy(str(exc)) from None
             try:
                 src = RingSource(self.cfg, reader, keys, sleep=self.sleep, clock=self.clock)
-                return await self._run_with_source(src)
+                try:
+                    return await self._run_with_source(src)
+                finally:
+                    src.unwatch_pid()  # a watch check may have run after the drain loop ended
             finally:
                 reader.close()
                 seg.close()
