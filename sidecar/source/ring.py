@@ -74,6 +74,7 @@ class RingSource:
         self._pidfd_pid = 0  # whose (or which pid could not be watched)
         self._relaxed = False  # the last check was healthy and the pid is watched (or moot)
         self._stale_in_s = 0.0  # at the last check: until the liveness stamp turns stale
+        self.doorbell = "none"  # /status: none (polling), unproven, proven (this engine rang it)
 
     # ---- what the publisher reads ----------------------------------------------------------
     @property
@@ -244,6 +245,7 @@ class RingSource:
             "source": self.kind,
             "ring_lag": self.reader.lag(),
             "unknown_medium": self.sync.unknown_medium,
+            "doorbell": self.doorbell,
         }
 
     # ---- the drain loop --------------------------------------------------------------------
@@ -312,6 +314,7 @@ class RingSource:
             if bell is not None and bell.rung != rung_seen:
                 rung_seen, bell_boot = bell.rung, sync.boot_id
             proven = bell is not None and bell_boot != 0 and bell_boot == sync.boot_id
+            self.doorbell = "none" if bell is None else "proven" if proven else "unproven"
             limit = max(idle, BELL_IDLE_POLLS * full_every) if proven else idle
             delay = busy if r.records else min(delay * 2, limit)
             until = policy.read_at(sync.keys, now) if r.records else 0.0

@@ -23,6 +23,7 @@ from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.doorbell import Listener
 from sidecar.shm_ring.reader import RingReader
 from sidecar.shm_ring.segment import Segment
+from sidecar.shm_ring.snapshot import SnapshotWriter
 from sidecar.shm_ring.writer import RingWriter
 from sidecar.source.base import WatchResult
 from sidecar.source.ring import RingSource
@@ -271,6 +272,64 @@ async def test_ring_nap_shows_the_reader_asleep_until_the_engine_has_rung(
         assert flags == [1, 0, 0]
     finally:
         bell.close()
+        reader.close()
+        writer.close()
+        seg.close()
+
+
+async def _until(pred: Callable[[], bool]) -> None:
+    """Yield until `pred` holds (yields only: the drain under test sleeps no real time but on
+    its bell, and its doorbell thread's wake-up arrives through the loop)."""
+    for _ in range(200_000):
+        if pred():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the drain never got there")
+
+
+async def test_ring_drain_of_a_silent_engine_is_woken_by_the_proven_doorbell(
+    ring_name: str,
+) -> None:
+    # Fallback polls of ~an hour: only the doorbell can wake the drain while the test runs.
+    env = {
+        **ENV,
+        "KV_CACHE_EVENT_ENGINE_WATCH_INTERVAL_S": "1000",
+        "KV_CACHE_EVENT_RING_IDLE_POLL_INTERVAL_S": "3600",
+        "KV_CACHE_EVENT_REPORT_FLUSH_WINDOW_S": "0",
+    }
+    seg = Segment(ring_name, 64)
+    writer = RingWriter(Segment(ring_name))
+    reader = RingReader(Segment(ring_name))
+    keys = KeyState()
+
+    async def no_time(s: float) -> None:
+        await asyncio.sleep(0)
+
+    src = RingSource(C.load(env=env), reader, keys, sleep=no_time, clock=Clock())
+    work = asyncio.Event()
+    task = asyncio.create_task(src.run(work))
+    try:
+        await _until(lambda: src.sync.status.value == "waiting_snapshot")
+        answer = SnapshotWriter(seg)
+        empty = np.zeros(0, np.int64)
+        answer.publish(answer.pending_request(), 0, writer.boot_id, 0, empty, empty)
+        await _until(lambda: src.synced)
+        await _until(lambda: bool(seg.hdr[L.W_READER_IDLE]))  # asleep on the bell, unproven
+        assert src.doorbell == "unproven"
+        work.clear()
+        writer.write(np.arange(1, 4, dtype=np.int64), META)  # rings: the reader sleeps on it
+        async with asyncio.timeout(30):
+            await work.wait()
+        await _until(lambda: src.doorbell == "proven" and bool(seg.hdr[L.W_READER_IDLE]))
+        work.clear()
+        writer.write(np.arange(7, 8, dtype=np.int64), META)  # silent until now
+        async with asyncio.timeout(30):
+            await work.wait()  # woken by the bell, not by a fallback poll an hour away
+        assert keys.published_count == 4
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
         reader.close()
         writer.close()
         seg.close()
