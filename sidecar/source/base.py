@@ -188,7 +188,8 @@ class Source(Protocol):
         ...
 
     def watch(self, engine_down: bool) -> WatchResult:
-        """One liveness check (the engine watch loop calls it every watch interval)."""
+        """One liveness check (the engine watch loop calls it when `watch_wait_s` has passed
+        or `watch_wake` was set)."""
         ...
 
     def watch_wait_s(self, engine_down: bool) -> float:
