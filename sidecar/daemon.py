@@ -90,6 +90,7 @@ class Daemon:
         self.discovery: Discovery | None = None
         self.http_port = 0
         self.started = asyncio.Event()  # set once the HTTP endpoints listen (tests wait on it)
+        self.watch_checks = 0  # engine watch checks run (tests count the loop's wake-ups)
 
     def status(self) -> dict[str, Any]:
         if self.publisher is None:
@@ -132,7 +133,10 @@ class Daemon:
                 raise IdentityBusy(str(exc)) from None
             try:
                 src = RingSource(self.cfg, reader, keys, sleep=self.sleep, clock=self.clock)
-                return await self._run_with_source(src)
+                try:
+                    return await self._run_with_source(src)
+                finally:
+                    src.unwatch_pid()  # a watch check may have run after the drain loop ended
             finally:
                 reader.close()
                 seg.close()
@@ -249,12 +253,23 @@ class Daemon:
             await self.sleep(next_tick(self.clock(), interval))
 
     async def _watch_loop(self, p: Publisher) -> None:
+        # The source says when its next check is worth a wake-up (every watch interval while
+        # a check can find death by polling; less often when the engine's exit or a health
+        # probe wakes the loop through `watch_wake`), on the shared tick.
+        wake = p.source.watch_wake
         while True:
+            wake.clear()
             was_down = p.engine_down
             p.watch_step()
+            self.watch_checks += 1
             if p.host_down_pending or was_down != p.engine_down:
                 self.work.set()
-            await self.sleep(next_tick(self.clock(), self.cfg.engine.watch_interval_s))
+            wait = p.source.watch_wait_s(p.engine_down)
+            if wake.is_set():
+                continue
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await wake.wait()
 
     async def _trim_loop(self) -> None:
         while True:

@@ -176,10 +176,12 @@ class KvcmClient:
         self._lean: dict[str, Http1] = {}
 
     def _lean_for(self, base: str) -> Http1 | None:
-        if not self.lean_http or not lean_supported(base):
+        if not self.lean_http:
             return None
-        h = self._lean.get(base)
+        h = self._lean.get(base)  # first: no URL parse per request
         if h is None:
+            if not lean_supported(base):
+                return None
             for old in self._lean.values():
                 old.close()  # the leader moved; a request still on them fails (ambiguous)
             h = Http1(base)

@@ -147,6 +147,9 @@ class WatchResult:
 class Source(Protocol):
     kind: str
     keys: KeyState
+    # Set by the source when a watch check may find something new (the engine's process
+    # exited, a health probe answered): the engine watch loop checks at once.
+    watch_wake: asyncio.Event
 
     @property
     def last_seq(self) -> int:
@@ -185,7 +188,13 @@ class Source(Protocol):
         ...
 
     def watch(self, engine_down: bool) -> WatchResult:
-        """One liveness check (the engine watch loop calls it every watch interval)."""
+        """One liveness check (the engine watch loop calls it when `watch_wait_s` has passed
+        or `watch_wake` was set)."""
+        ...
+
+    def watch_wait_s(self, engine_down: bool) -> float:
+        """How long the engine watch loop may sleep after a check before the next one, on the
+        shared tick (next_tick); `watch_wake` cuts it short."""
         ...
 
     def take_forget(self) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -67,6 +68,13 @@ class RingSource:
         self._identity: Identity | None = None
         self.stale_checks = 0
         self.dead_boot_id = 0
+        # The engine watch (watch_wait_s): set when the engine's process exits (a pidfd).
+        self.watch_wake = asyncio.Event()
+        self._pidfd = -1  # watched for the engine's exit (-1: none)
+        self._pidfd_pid = 0  # whose (or which pid could not be watched)
+        self._relaxed = False  # the last check was healthy and the pid is watched (or moot)
+        self._stale_in_s = 0.0  # at the last check: until the liveness stamp turns stale
+        self.doorbell = "none"  # /status: none (polling), unproven, proven (this engine rang it)
 
     # ---- what the publisher reads ----------------------------------------------------------
     @property
@@ -146,13 +154,18 @@ class RingSource:
     def watch(self, engine_down: bool) -> WatchResult:
         """Engine liveness: pid (same pid namespace), liveness stamp, clean close."""
         reader = self.reader
+        self._relaxed = False
         inc = reader.read_incarnation()
         if inc is None:
             return WatchResult()
         closed = reader.producer_state() == L.PRODUCER_CLOSED
-        gone = inc.pidns == pid_namespace() and not pid_alive(inc.pid)
+        same_ns = inc.pidns == pid_namespace()
+        gone = same_ns and not pid_alive(inc.pid)
         age_s = (time.monotonic_ns() - reader.producer_liveness_ns()) / 1e9
         stale = age_s > self.cfg.engine.stale_after_s
+        if not (engine_down or closed or gone or stale):
+            self._stale_in_s = self.cfg.engine.stale_after_s - age_s
+            self._relaxed = not same_ns or self._watch_pid(inc.pid)
         if engine_down:
             healthy = not closed and not gone and not stale
             new_engine = inc.boot_id != self.dead_boot_id
@@ -175,11 +188,64 @@ class RingSource:
             return WatchResult(Watch.DOWN, why, inc.boot_id)
         return WatchResult()
 
+    def watch_wait_s(self, engine_down: bool) -> float:
+        """Until the next engine watch check, on the shared tick (next_tick). Every
+        `engine.watch_interval_s` while a check can find death: the engine is down, a check
+        was bad, none attached, or its pid cannot be watched. Otherwise the pid's exit wakes
+        the loop at once (`watch_wake`), the first tick after the liveness stamp could turn
+        stale is checked, and a clean close is seen within `engine.watch_interval_s x
+        engine.dead_after_checks` (the bound for a death seen from the pid)."""
+        interval = self.cfg.engine.watch_interval_s
+        now = self.clock()
+        if engine_down or self.stale_checks or not self._relaxed:
+            return next_tick(now, interval)
+        stale_in = max(self._stale_in_s, 0.0)
+        until_stale = stale_in + next_tick(now + stale_in, interval)
+        return min(next_tick(now, interval * self.cfg.engine.dead_after_checks), until_stale)
+
+    def _watch_pid(self, pid: int) -> bool:
+        """Watch the engine's process for its exit (a pidfd on the event loop); False when it
+        cannot be watched (no running loop, no pidfd_open): then it is polled, as before."""
+        if pid == self._pidfd_pid:
+            return self._pidfd >= 0
+        self.unwatch_pid()
+        self._pidfd_pid = pid
+        try:
+            loop = asyncio.get_running_loop()
+            fd = os.pidfd_open(pid)
+        except (RuntimeError, OSError, AttributeError):
+            return False
+        try:
+            loop.add_reader(fd, self._pid_exited, loop)
+        except (OSError, ValueError, NotImplementedError):
+            os.close(fd)
+            return False
+        self._pidfd = fd
+        return True
+
+    def _pid_exited(self, loop: asyncio.AbstractEventLoop) -> None:
+        # Readable once the process has exited (and from then on): stop watching, check now.
+        if self._pidfd >= 0:
+            loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
+        self._relaxed = False
+        self.watch_wake.set()
+
+    def unwatch_pid(self) -> None:
+        if self._pidfd >= 0:
+            with contextlib.suppress(RuntimeError, OSError, ValueError):
+                asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
+        self._pidfd_pid = 0
+
     def status(self) -> dict[str, Any]:
         return {
             "source": self.kind,
             "ring_lag": self.reader.lag(),
             "unknown_medium": self.sync.unknown_medium,
+            "doorbell": self.doorbell,
         }
 
     # ---- the drain loop --------------------------------------------------------------------
@@ -209,6 +275,7 @@ class RingSource:
         try:
             await self._drain(bell, wake, work)
         finally:
+            self.unwatch_pid()
             if bell is not None:
                 bell.close()
 
@@ -224,6 +291,8 @@ class RingSource:
         last_full = 0.0
         delay = busy
         last_poll = self.clock()
+        rung_seen = 0  # bell.rung when last looked
+        bell_boot = 0  # the engine incarnation that has rung the doorbell (0: none yet)
         while True:
             now = self.clock()
             full = now - last_full >= full_every
@@ -240,8 +309,13 @@ class RingSource:
                 work.set()
             # An engine that has rung the doorbell rings it again when it writes: its fallback
             # poll can wait BELL_IDLE_POLLS engine watch intervals (the watch loop sees its
-            # death meanwhile); an engine without a bell is polled every idle, as before.
-            limit = max(idle, BELL_IDLE_POLLS * full_every) if bell and bell.rung else idle
+            # death meanwhile); an engine without a bell is polled every idle, as before. The
+            # proof is per incarnation (a new engine may be an older one, without a bell).
+            if bell is not None and bell.rung != rung_seen:
+                rung_seen, bell_boot = bell.rung, sync.boot_id
+            proven = bell is not None and bell_boot != 0 and bell_boot == sync.boot_id
+            self.doorbell = "none" if bell is None else "proven" if proven else "unproven"
+            limit = max(idle, BELL_IDLE_POLLS * full_every) if proven else idle
             delay = busy if r.records else min(delay * 2, limit)
             until = policy.read_at(sync.keys, now) if r.records else 0.0
             if until and not self.reader.lag():
@@ -250,10 +324,10 @@ class RingSource:
                 # at every engine step, and without the doorbell (the engine posts nothing).
                 rate = r.records / max(now - since, busy)
                 fill = min(max(send_at - len(sync.keys.dirty), 0), room) / rate
-                await self.sleep(max(min(until - now, fill), busy))
+                await self._nap(max(min(until - now, fill), busy), bell, proven)
                 continue
             if delay <= bell_after or bell is None:
-                await self.sleep(delay)
+                await self._nap(delay, bell, proven)
                 continue
             # Idle: sleep until the engine rings the doorbell or the poll interval passes.
             wake.clear()
@@ -267,6 +341,21 @@ class RingSource:
                             await wake.wait()
             finally:
                 bell.asleep(False)
+
+    async def _nap(self, wait: float, bell: Listener | None, proven: bool) -> None:
+        """A short sleep while the engine writes. Until this incarnation has rung the doorbell,
+        the reader shows itself asleep meanwhile: the engine's next write then rings it (one
+        post, once), which proves the bell, so that a silent engine can be polled every
+        BELL_IDLE_POLLS watch intervals rather than every `ring.idle_poll_interval_s` (an
+        engine filled at full speed and then silent would otherwise never ring it)."""
+        if bell is None or proven:
+            await self.sleep(wait)
+            return
+        bell.asleep(True)
+        try:
+            await self.sleep(wait)
+        finally:
+            bell.asleep(False)
 
     async def final_drain(self) -> None:
         self.sync.step()

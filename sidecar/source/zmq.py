@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 
 END_SEQ = b"\xff" * 8  # the replay end marker's seq (-1)
 MAX_HELD_LIVE = 200_000  # live batches held while a replay runs; beyond: give up, forget
-IDLE_TURN_S = 0.5  # bounds how long a replay asked for by the watch loop waits to go out
+IDLE_TURN_S = 1.0  # the feed loop's longest poll (a replay the watch asks for cuts it short)
+WATCH_FALLBACK_S = 60.0  # the engine watch's longest sleep (health probes wake it)
 DRAIN_BATCHES = 1024  # frames read per loop turn before folding: ~25 ms of work at 1 M blocks/s
 COALESCE_MIN_S = 0.002  # shorter coalesced waits poll instead (a timer's own granularity: 1 ms)
 
@@ -815,6 +816,8 @@ class ZmqSource:
         self.ckpt_errors: Counter[str] = Counter()
         self.health_failures = 0
         self.health_ok_once = False
+        self.watch_wake = asyncio.Event()  # set after each health probe: a verdict may change
+        self._turn: asyncio.Future[Any] | None = None  # the feed loop's idle poll, to cut short
         self.frames_bad: Counter[str] = Counter()
         self.live_frames = 0
         self.replayed_frames = 0
@@ -894,9 +897,21 @@ class ZmqSource:
             # A new incarnation unless the replay proves continuity; not synced until then, so
             # the publisher's snapshot after re-registering waits for the proof.
             self.stream.reprove()
+            self._kick()  # a replay it asks for goes out now, not at the feed loop's next turn
             log.info("engine back reason=health")
             return WatchResult(Watch.BACK, "healthy again", self.stream.incarnation)
         return WatchResult()
+
+    def watch_wait_s(self, engine_down: bool) -> float:
+        """The verdict changes only with a health probe, which sets `watch_wake`: without a
+        health URL never (silence is not death). The fallback is a safety net."""
+        return next_tick(self.clock(), WATCH_FALLBACK_S)
+
+    def _kick(self) -> None:
+        """End the feed loop's idle poll now (it re-reads what it must send)."""
+        turn = self._turn
+        if turn is not None and not turn.done():
+            turn.set_result([])
 
     def recovery_status(self) -> dict[str, Any]:
         """A forget that a replay may still undo: from which seq, tries, when the next is due."""
@@ -956,7 +971,9 @@ class ZmqSource:
                 log.warning(
                     "engine health probe failed url=%s n=%d", z.health_url, self.health_failures
                 )
-            await self.sleep(z.health_interval_s)
+            self.watch_wake.set()
+            # On the shared tick (next_tick): the probe shares the heartbeat's wake-up.
+            await self.sleep(next_tick(self.clock(), z.health_interval_s))
 
     def _load_checkpoint(self) -> ckpt.Checkpoint | None:
         i = self.cfg.identity
@@ -1076,7 +1093,7 @@ class ZmqSource:
             poller.register(dealer, zmq.POLLIN)
             sync_dealer = zmq.Socket.shadow(dealer.underlying)
         every = self.z.checkpoint_interval_s
-        next_ckpt = self.clock() + every
+        next_ckpt = self.clock() + next_tick(self.clock(), every)  # on the shared tick
         policy = FlushPolicy.of(self.cfg.report)
         send_at = policy.at_keys
         since = 0.0  # > 0: the loop slept on purpose since then (batches queued in the SUB)
@@ -1090,13 +1107,20 @@ class ZmqSource:
             if since:  # after a coalesced wait: read what queued meanwhile, no poll
                 read = self._read_live(sync_sub)
             else:
-                # At most IDLE_TURN_S asleep: a replay the watch loop asks for goes out promptly.
+                # At most IDLE_TURN_S asleep, on the shared tick; a replay the watch loop asks
+                # for ends the poll at once (_kick).
                 timeout = min(next_ckpt - self.clock(), next_tick(self.clock(), IDLE_TURN_S))
                 if s.replay is not None:
                     timeout = min(timeout, s.replay.deadline - self.clock())
                 if (retry_at := s.next_timer()) is not None:
                     timeout = min(timeout, retry_at - self.clock())
-                events = dict(await poller.poll(max(int(timeout * 1000), 0)))
+                turn = poller.poll(max(int(timeout * 1000), 0))
+                assert isinstance(turn, asyncio.Future)  # pyzmq's asyncio poller: a Future
+                self._turn = turn
+                try:
+                    events = dict(await turn)
+                finally:
+                    self._turn = None
                 if sync_dealer is not None and dealer in events:
                     self._read_replies(sync_dealer)
                 if sub in events:
@@ -1119,7 +1143,7 @@ class ZmqSource:
                 work.set()
             if self.clock() >= next_ckpt:
                 self.write_checkpoint()
-                next_ckpt = self.clock() + every
+                next_ckpt = self.clock() + next_tick(self.clock(), every)
             now, prev, since = self.clock(), since, 0.0
             until = policy.read_at(self.keys, now) if read else 0.0
             if until and read < DRAIN_BATCHES and s.replay is None and s.want_replay is None:
