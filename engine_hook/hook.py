@@ -560,6 +560,8 @@ class Hook:
         for item, meta in chunk:
             t = type(item)
             if t is list or t is array:
+                if len(flat) + len(item) > WORDS_MAX:
+                    return None  # (before a list of ints is made of, say, a 200 k-key run)
                 flat += item
                 flat_m += [meta] * len(item)
             elif t is int:
@@ -577,7 +579,11 @@ class Hook:
         keys_l: list[np.ndarray] = []
         metas_l: list[np.ndarray] = []
         for item, meta in chunk:
-            if type(item) is not np.ndarray:
+            if type(item) is array and item.typecode == "Q":
+                # Single keys' run (or a list's words): words already, one copy, not a Python
+                # loop per key (a run past WORDS_MAX that met a wrap cost ~300 ns per key).
+                item = np.array(item, np.uint64).view(np.int64)
+            elif type(item) is not np.ndarray:
                 item, bad = split_keys(item)
                 if bad is not None:  # dropped from the ring and the resident set alike
                     self._problem("bad_key", bad)

@@ -29,6 +29,7 @@ from sidecar.shm_ring import compiled
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.reader import RingReader
 from sidecar.shm_ring.segment import unlink
+from sidecar.shm_ring.writer import WORDS_MAX
 
 accel = compiled.accel
 pytestmark = pytest.mark.skipif(
@@ -421,3 +422,47 @@ def _threads_keep_their_order(ring_name: str, form: str) -> None:
     finally:
         reader.close()
         h.close()
+
+
+@pytest.mark.parametrize("form", ["c", "python"])
+def test_single_keys_run_past_words_max_across_the_wrap(
+    ring_name: str, form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A run of more single keys than one words write takes (WORDS_MAX), meeting the ring's
+    # wrap: the general path copies the run's words (it looped over them in Python, ~300 ns a
+    # key), every record lands in order and in the resident set.
+    n = WORDS_MAX + 904
+    with _python_forms() if form == "python" else contextlib.nullcontext():
+        h = _quiet_hook(ring_name, capacity=1 << 13)
+        reader = RingReader(h._seg)
+        try:
+            first = list(range(1, n + 1))
+            second = [(1 << 63) + k if k % 3 else k for k in range(n + 1, 2 * n + 1)]
+            for k in first:
+                h.stored(k)
+            assert h.flush() == n
+            got = reader.read().records.tolist()
+            for k in second:
+                h.stored(k)
+            real = hook_mod.split_keys
+            split: list[Any] = []
+
+            def spy(keys: Any) -> Any:
+                split.append(type(keys))
+                return real(keys)
+
+            monkeypatch.setattr(hook_mod, "split_keys", spy)
+            assert len(h._staged) == 1 and len(h._staged[0][0]) == n
+            assert h.flush() == n  # (tail n + n wraps a ring of 8192)
+            monkeypatch.undo()
+            assert array not in split
+            got += reader.read().records.tolist()
+            assert [k % U64 for _s, k, _m, _p in got] == first + second
+            assert {L.meta_kind(m) for _s, _k, m, _p in got} == {L.KIND_STORED}
+            assert h._resident is not None
+            held = h._resident.as_dict()
+            assert {k % U64 for k, _med in held} == set(first + second)
+            assert not h.stats()["problems"] and h.stats()["dropped"] == 0
+        finally:
+            reader.close()
+            h.close()
