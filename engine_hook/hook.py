@@ -299,10 +299,11 @@ class Hook:
         self._bell = EngineBell(segment.name) if start_flusher else None
         # The engine's flush() is the C one (one call, no Python frame) when the compiled
         # module has it: it does the usual flush and leaves the rest to this class's flush().
-        # So are stored() and removed(): a single int key's call is staged in C, exactly as
-        # the methods below stage it; every other call is theirs. `_pub.run` is the word
-        # array single stored() keys grow, shared by both; `_pub.stage` is 1 only while
-        # `_append` is the staged list's own (the C calls stage new items only then).
+        # So are stored() and removed(): a call with an int key, a list or an int64/uint64
+        # array is staged in C exactly as the methods below stage it; every other call is
+        # theirs. `_pub.run` is the word array single stored() keys grow, shared by both;
+        # `_pub.stage` is 1 only while `_append` is the staged list's own (the C calls stage
+        # new items only then).
         self._pub: Any = _FlushState()
         accel = compiled.accel
         if start_flusher and accel is not None and hasattr(accel, "Publisher"):
@@ -322,7 +323,10 @@ class Hook:
                 try:
                     pub = self._pub
                     pub.run = ((), -1)
-                    pub.staging(self.stored, self.removed, self._stored_meta, self._removed_meta)
+                    numpy = (np.ndarray, np.dtype(np.int64), np.dtype(np.uint64))
+                    pub.staging(
+                        self.stored, self.removed, self._stored_meta, self._removed_meta, numpy
+                    )
                     object.__setattr__(self, "stored", pub.stored)
                     object.__setattr__(self, "removed", pub.removed)
                 except Exception as exc:  # the same: the Python methods stage every call

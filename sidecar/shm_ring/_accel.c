@@ -441,6 +441,7 @@ typedef struct {
     /* the staging calls (stored/removed, below): the Python methods they stand in for, the
      * hook's meta tables, and the run single stored() keys grow (the hook's, shared) */
     PyObject *slow_stored, *slow_removed, *stored_meta, *removed_meta, *run;
+    PyObject *ndarray, *dt_int64, *dt_uint64; /* numpy's, from staging(); NULL: no arrays */
     Py_buffer words, hdr;
     int held;  /* words and hdr are held (until release()) */
     int fast;  /* 0: every flush is the Python one */
@@ -460,6 +461,9 @@ static int pub_traverse(Publisher *p, visitproc visit, void *arg) {
     Py_VISIT(p->stored_meta);
     Py_VISIT(p->removed_meta);
     Py_VISIT(p->run);
+    Py_VISIT(p->ndarray);
+    Py_VISIT(p->dt_int64);
+    Py_VISIT(p->dt_uint64);
     return 0;
 }
 
@@ -484,6 +488,9 @@ static int pub_clear(Publisher *p) {
     Py_CLEAR(p->stored_meta);
     Py_CLEAR(p->removed_meta);
     Py_CLEAR(p->run);
+    Py_CLEAR(p->ndarray);
+    Py_CLEAR(p->dt_int64);
+    Py_CLEAR(p->dt_uint64);
     p->stage = 0;
     return 0;
 }
@@ -644,24 +651,27 @@ static PyObject *pub_release(Publisher *p, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-/* ---- the engine's single-key staging calls, in C -----------------------------------------
+/* ---- the engine's staging calls, in C ---------------------------------------------------
  * hook.stored(k) / hook.removed(k) for one int key is the per-block call of an engine that
  * reports block by block: in Python its frame, lookups and method calls cost ~200 ns
  * (bench/README.md, "single key"). Publisher.stored / .removed do what the Python methods
- * (`slow_stored` / `slow_removed`) do for the common call: an exact int key, group an exact
- * int, medium absent, None or an exact str, with the same meta lookups in the hook's tables
- * (stage_meta). They stage exactly what the Python methods stage: stored() grows the newest
- * staged run (`run`, the hook's, shared with its Python method: (array('Q'), meta)) when its
- * meta matches, else stages a new run, or the key alone if it is no word in [0, 2^64)
- * (negative, or too wide: the flush converts or rejects it); removed() stages (key, meta).
- * Every other call (lists, arrays, a bool, a numpy int, an unknown group or medium, wrong
- * arguments) is the Python method's, and so is every call that would stage a new item while
+ * (`slow_stored` / `slow_removed`) do for the common calls, an exact int key or a list with
+ * group an exact int and medium absent, None or an exact str, with the same meta lookups in
+ * the hook's tables (stage_meta), and stage exactly what those stage. stored(k) grows the
+ * newest staged run (`run`, the hook's, shared with its Python method: (array('Q'), meta))
+ * when its meta matches, else stages a new run, or the key alone if it is no word in
+ * [0, 2^64) (negative, or too wide: the flush converts or rejects it); removed(k) stages
+ * (k, meta). A list (an engine step's call) is staged as its words (words(), the Python
+ * methods' `_words` in a compiled hook), or as a copy if a key is no word; an int64 or uint64
+ * ndarray as its int64 copy (stage_ndarray). Every other call (other arrays, a bool, a
+ * numpy int, an unknown group or medium, wrong arguments) is the Python method's (~50 ns
+ * more than calling it directly), and so is every call that would stage a new item while
  * `stage` is 0: the hook's append is then not the staged list's own (the first staging after
  * a quiet spell posts the flusher's bell; a closed hook counts the call).
  * GIL-safe as Publisher.flush is: between the look at the newest run and the append to it,
  * and between the look at `stage` and the append to `staged`, no Python code runs and no
- * GC-tracked object is allocated (a new run's objects are made before the look), so no other
- * thread stages or publishes in between. */
+ * GC-tracked object is allocated (a new item's objects are made before the look), so no
+ * other thread stages or publishes in between. */
 
 /* array('Q', [0]): `word_array * k` (sq_repeat) makes a k-word array without parsing. */
 static PyObject *word_array = NULL;
@@ -671,6 +681,8 @@ static PyObject *word_array = NULL;
 static PyCFunction array_append_fn = NULL;
 static PyObject *str_append = NULL;
 static PyObject *kw_group = NULL, *kw_medium = NULL, *int_zero = NULL;
+static PyObject *str_dtype = NULL, *str_ravel = NULL, *str_view = NULL, *str_copy = NULL,
+                *str_astype = NULL;
 
 static int array_append(PyObject *arr, PyObject *v) {
     PyObject *r = array_append_fn != NULL ? array_append_fn(arr, v)
@@ -741,13 +753,89 @@ static int stage_append(Publisher *p, PyObject *item) {
     return done;
 }
 
+static PyObject *words(PyObject *self, PyObject *list);
+
+/* A list's staging, as the Python methods': (words(keys), meta), or a copy of the list if a
+ * key is no word (a bool, a str, ...: the flush checks each key); an empty list stages
+ * nothing. 1: done; 0: nothing staged, the caller goes to Python (no exception set). */
+static int stage_list(Publisher *p, PyObject *list, PyObject *meta) {
+    if (PyList_GET_SIZE(list) == 0) return 1;
+    PyObject *keys = words(NULL, list);
+    if (keys == NULL) {
+        const int copy = PyErr_ExceptionMatches(PyExc_OverflowError) ||
+                         PyErr_ExceptionMatches(PyExc_TypeError);
+        PyErr_Clear();
+        keys = copy ? PyList_GetSlice(list, 0, PY_SSIZE_T_MAX) : NULL;
+        if (keys == NULL) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    PyObject *item = PyTuple_Pack(2, keys, meta);
+    Py_DECREF(keys);
+    if (item == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    return stage_append(p, item);
+}
+
+/* An ndarray's staging, as the Python methods' for an int64 or uint64 one (native order: the
+ * dtype singletons): its ravel() copied to int64 (astype; a uint64 one viewed as int64,
+ * KVCM's signed bit pattern), or nothing if it is empty; the same numpy calls, without the
+ * Python frame and its dtype comparisons. 1: done; 0: nothing staged, the caller goes to
+ * Python (another dtype, an object array, a failure). */
+static int stage_ndarray(Publisher *p, PyObject *nd, PyObject *meta) {
+    PyObject *dt = PyObject_GetAttr(nd, str_dtype), *flat = NULL, *keys = NULL;
+    const int u64 = dt != NULL && dt == p->dt_uint64;
+    if (dt == NULL || (dt != p->dt_int64 && !u64)) goto fail;
+    flat = PyObject_CallMethodNoArgs(nd, str_ravel);
+    if (flat == NULL) goto fail;
+    const Py_ssize_t n = PyObject_Size(flat);
+    if (n < 0) goto fail;
+    if (n == 0) { /* (as `if len(arr)`: nothing to stage) */
+        Py_DECREF(flat);
+        Py_DECREF(dt);
+        return 1;
+    }
+    if (u64) {
+        PyObject *view = PyObject_CallMethodOneArg(flat, str_view, p->dt_int64);
+        keys = view != NULL ? PyObject_CallMethodNoArgs(view, str_copy) : NULL;
+        Py_XDECREF(view);
+    } else {
+        keys = PyObject_CallMethodOneArg(flat, str_astype, p->dt_int64);
+    }
+    if (keys == NULL) goto fail;
+    Py_DECREF(flat);
+    Py_DECREF(dt);
+    PyObject *item = PyTuple_Pack(2, keys, meta);
+    Py_DECREF(keys);
+    if (item == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    return stage_append(p, item);
+fail:
+    Py_XDECREF(flat);
+    Py_XDECREF(dt);
+    PyErr_Clear();
+    return 0;
+}
+
 /* stored(keys, group=0, medium=None): the hook's stored(). */
 static PyObject *pub_stored(Publisher *p, PyObject *const *args, Py_ssize_t nargs,
                             PyObject *kwnames) {
+    if (nargs < 1) goto slow;
+    PyObject *key = args[0];
+    const int list = PyList_CheckExact(key);
+    const int nd = !list && p->ndarray != NULL && Py_IS_TYPE(key, (PyTypeObject *)p->ndarray);
+    if (!list && !nd && !PyLong_CheckExact(key)) goto slow; /* (no lookup first) */
     PyObject *meta = stage_meta(p->stored_meta, args, nargs, kwnames);
     if (meta == NULL) goto slow;
-    PyObject *key = args[0];
-    if (!PyLong_CheckExact(key)) goto slow_meta;
+    if (list || nd) {
+        if (!(list ? stage_list(p, key, meta) : stage_ndarray(p, key, meta))) goto slow_meta;
+        goto done;
+    }
     uint64_t word;
     if (!u64_word(key, &word, 0)) { /* negative or too wide: staged alone, as in Python */
         PyObject *item = PyTuple_Pack(2, key, meta);
@@ -801,25 +889,49 @@ slow:
 /* removed(keys, group=0, medium=None): the hook's removed(). */
 static PyObject *pub_removed(Publisher *p, PyObject *const *args, Py_ssize_t nargs,
                              PyObject *kwnames) {
-    PyObject *meta = stage_meta(p->removed_meta, args, nargs, kwnames);
+    PyObject *key = nargs >= 1 ? args[0] : NULL;
+    const int list = key != NULL && PyList_CheckExact(key);
+    const int nd = key != NULL && !list && p->ndarray != NULL &&
+                   Py_IS_TYPE(key, (PyTypeObject *)p->ndarray);
+    PyObject *meta = list || nd || (key != NULL && PyLong_CheckExact(key))
+                         ? stage_meta(p->removed_meta, args, nargs, kwnames)
+                         : NULL;
     if (meta != NULL) {
-        PyObject *item = PyLong_CheckExact(args[0]) ? PyTuple_Pack(2, args[0], meta) : NULL;
+        int done;
+        if (list) {
+            done = stage_list(p, key, meta);
+        } else if (nd) {
+            done = stage_ndarray(p, key, meta);
+        } else {
+            PyObject *item = PyTuple_Pack(2, args[0], meta);
+            done = item != NULL && stage_append(p, item);
+        }
         Py_DECREF(meta);
-        if (item != NULL && stage_append(p, item)) Py_RETURN_NONE;
+        if (done) Py_RETURN_NONE;
         PyErr_Clear();
     }
     return stage_slow(p->slow_removed, args, nargs, kwnames);
 }
 
-/* staging(stored, removed, stored_meta, removed_meta): the Python methods stored()/removed()
- * stand in for and the hook's meta tables ({group: meta, (group, medium): meta}). */
+/* staging(stored, removed, stored_meta, removed_meta, numpy): the Python methods
+ * stored()/removed() stand in for, the hook's meta tables ({group: meta, (group, medium):
+ * meta}) and (numpy.ndarray, dtype int64, dtype uint64), or None: every array is the Python
+ * methods'. */
 static PyObject *pub_staging(Publisher *p, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4 || !PyCallable_Check(args[0]) || !PyCallable_Check(args[1]) ||
-        !PyDict_CheckExact(args[2]) || !PyDict_CheckExact(args[3])) {
+    if (nargs != 5 || !PyCallable_Check(args[0]) || !PyCallable_Check(args[1]) ||
+        !PyDict_CheckExact(args[2]) || !PyDict_CheckExact(args[3]) ||
+        (args[4] != Py_None &&
+         (!PyTuple_CheckExact(args[4]) || PyTuple_GET_SIZE(args[4]) != 3 ||
+          !PyType_Check(PyTuple_GET_ITEM(args[4], 0))))) {
         PyErr_SetString(PyExc_TypeError,
-                        "staging(stored, removed, stored_meta: dict, removed_meta: dict)");
+                        "staging(stored, removed, stored_meta: dict, removed_meta: dict, "
+                        "numpy: (ndarray, int64, uint64) | None)");
         return NULL;
     }
+    PyObject *np = args[4] == Py_None ? NULL : args[4];
+    Py_XSETREF(p->ndarray, np ? Py_NewRef(PyTuple_GET_ITEM(np, 0)) : NULL);
+    Py_XSETREF(p->dt_int64, np ? Py_NewRef(PyTuple_GET_ITEM(np, 1)) : NULL);
+    Py_XSETREF(p->dt_uint64, np ? Py_NewRef(PyTuple_GET_ITEM(np, 2)) : NULL);
     Py_INCREF(args[0]);
     Py_XSETREF(p->slow_stored, args[0]);
     Py_INCREF(args[1]);
@@ -841,7 +953,8 @@ static PyMethodDef pub_methods[] = {
     {"removed", (PyCFunction)(void (*)(void))pub_removed, METH_FASTCALL | METH_KEYWORDS,
      "removed(keys, group=0, medium=None): the hook's removed() (its common call in C)"},
     {"staging", (PyCFunction)(void (*)(void))pub_staging, METH_FASTCALL,
-     "staging(stored, removed, stored_meta, removed_meta): what stored()/removed() stand in for"},
+     "staging(stored, removed, stored_meta, removed_meta, numpy): what stored()/removed() "
+     "stand in for"},
     {NULL},
 };
 
@@ -1180,7 +1293,14 @@ PyMODINIT_FUNC PyInit__accel(void) {
         kw_group = PyUnicode_InternFromString("group");
         kw_medium = PyUnicode_InternFromString("medium");
         int_zero = PyLong_FromLong(0);
-        if (str_append == NULL || kw_group == NULL || kw_medium == NULL || int_zero == NULL)
+        str_dtype = PyUnicode_InternFromString("dtype");
+        str_ravel = PyUnicode_InternFromString("ravel");
+        str_view = PyUnicode_InternFromString("view");
+        str_copy = PyUnicode_InternFromString("copy");
+        str_astype = PyUnicode_InternFromString("astype");
+        if (str_append == NULL || kw_group == NULL || kw_medium == NULL || int_zero == NULL ||
+            str_dtype == NULL || str_ravel == NULL || str_view == NULL || str_copy == NULL ||
+            str_astype == NULL)
             return NULL;
     }
     if (PyType_Ready(&RunQueueType) < 0 || PyType_Ready(&PublisherType) < 0) return NULL;

@@ -77,6 +77,7 @@ class Publisher:  # absent from a free-threaded build (its flush relies on the G
         removed: Any,
         stored_meta: dict[Any, int],
         removed_meta: dict[Any, int],
+        numpy: tuple[type, Any, Any] | None,
         /,
     ) -> None: ...
     def stored(self, keys: Any, group: int = 0, medium: str | None = None) -> None: ...

@@ -129,15 +129,43 @@ _op = st.one_of(
     st.tuples(st.sampled_from(["stored1", "removed1"]), _key, _form, _group, _medium),
     st.tuples(
         st.sampled_from(["stored", "removed"]),
-        st.lists(st.one_of(st.integers(0, 40), st.integers(-3, -1)), max_size=6),
+        st.lists(
+            st.one_of(
+                st.integers(0, 40), st.integers(-3, -1), st.sampled_from([True, "x", U64, 1 << 70])
+            ),
+            max_size=6,
+        ),
         _form,
         _group,
         _medium,
     ),
     st.tuples(st.just("bad_list"), st.sampled_from([[1, True], [2, "x"], [1 << 64, 3]])),
-    st.tuples(st.just("array"), st.lists(st.integers(0, 40), min_size=1, max_size=6)),
+    st.tuples(
+        st.sampled_from(["stored_array", "removed_array"]),
+        st.lists(st.one_of(st.integers(0, 40), st.sampled_from([U64 - 1, 1 << 63])), max_size=6),
+        st.sampled_from(["int64", "uint64", "int32", ">i8", "bool", "object", "float64"]),
+        st.sampled_from(["flat", "column", "strided", "0d"]),
+        _form,
+        _group,
+        _medium,
+    ),
     st.tuples(st.sampled_from(["cleared", "flush", "arm"])),
 )
+
+
+def _array(keys: list[int], dtype: str, shape: str) -> np.ndarray:
+    if dtype in ("int64", ">i8", "int32", "bool", "float64"):
+        keys = [k - U64 if k >= 1 << 63 else k for k in keys]  # (as those dtypes hold them)
+    if dtype in ("int32",):
+        keys = [k if -(1 << 31) <= k < 1 << 31 else 1 for k in keys]
+    a = np.array(keys, dtype=dtype)
+    if shape == "column":
+        return a.reshape(-1, 1)
+    if shape == "strided":
+        return np.repeat(a, 2)[::2]
+    if shape == "0d":
+        return np.array(keys[0] if keys else 0, dtype=dtype)
+    return a
 
 
 def _stage_call(fn: Any, key: Any, form: str, group: Any, medium: Any) -> None:
@@ -171,11 +199,16 @@ def _call(h: Hook, op: tuple[Any, ...]) -> None:
     if kind in ("stored1", "removed1"):
         _stage_call(getattr(h, kind[:-1]), *op[1:])
     elif kind in ("stored", "removed"):
-        _stage_call(getattr(h, kind), list(op[1]), *op[2:])
+        keys = list(op[1])
+        _stage_call(getattr(h, kind), keys, *op[2:])
+        keys[:] = [999] * len(keys)  # an engine reuses its list: the hook staged a copy
     elif kind == "bad_list":
         h.stored(list(op[1]))
-    elif kind == "array":
-        h.removed(np.array(op[1], np.int64))
+    elif kind in ("stored_array", "removed_array"):
+        a = _array(*op[1:4])
+        _stage_call(getattr(h, kind.split("_")[0]), a, *op[4:])
+        if a.dtype != object:
+            a[...] = 0  # and its array
     elif kind == "cleared":
         h.cleared()
     elif kind == "flush":
@@ -243,6 +276,7 @@ def test_c_staging_is_bound_and_stages_the_common_calls_itself(ring_name: str) -
             recorder("removed", Hook.removed.__get__(h)),
             h._stored_meta,
             h._removed_meta,
+            (np.ndarray, np.dtype(np.int64), np.dtype(np.uint64)),
         )
         h.stored(1)
         h.stored(2)  # the same run
@@ -253,6 +287,12 @@ def test_c_staging_is_bound_and_stages_the_common_calls_itself(ring_name: str) -
         h.stored(U64)  # too wide: staged alone, rejected by the flush
         h.removed(6)
         h.removed(7, medium="hbm")
+        h.stored([8, -9])  # a step's list: its words
+        h.removed([10, "x"])  # a key that is no word: a copy, checked at the flush
+        h.stored([])  # nothing
+        h.stored(np.array([11, U64 - 2], np.uint64))  # an array: its words
+        h.removed(np.array([[12], [13]], np.int64), 1)  # any shape that is contiguous
+        h.removed(np.array([], np.int64))  # nothing
         assert slow == []
         words = [(type(k).__name__, list(k) if type(k) is not int else k) for k, _m in h._staged]
         assert words == [
@@ -264,22 +304,29 @@ def test_c_staging_is_bound_and_stages_the_common_calls_itself(ring_name: str) -
             ("int", U64),
             ("int", 6),
             ("int", 7),
+            ("array", [8, U64 - 9]),
+            ("list", [10, "x"]),
+            ("ndarray", [11, -2]),  # as Python stages them: an int64 copy of ravel()
+            ("ndarray", [12, 13]),
         ]
-        h.stored([8])
+        assert h._staged[-1][1] == h._removed_meta[1]
         h.stored(True)
         h.removed(np.int64(9))
         h.stored(10, medium="ssd")
         h.removed(11, 5)
-        assert [(name, a) for name, a, _kw in slow] == [
-            ("stored", ([8],)),
-            ("stored", (True,)),
-            ("removed", (np.int64(9),)),
-            ("stored", (10,)),
-            ("removed", (11, 5)),
+        h.stored(np.array([14, 15], np.int32))  # another dtype: Python's int64 copy
+        h.stored(np.arange(16, 22)[::2])  # a view (in C too: ravel() copies it)
+        assert [(name, a[1:]) for name, a, _kw in slow] == [
+            ("stored", ()),
+            ("removed", ()),
+            ("stored", ()),
+            ("removed", (5,)),
+            ("stored", ()),
         ]
+        assert h._staged[-1][0].tolist() == [16, 18, 20]
         assert h.stats()["problems"] == {"bad_key": 1, "bad_medium": 1, "bad_group": 1}
-        assert h.flush() == 11  # U64 is counted there, not published
-        assert h.stats()["problems"] == {"bad_key": 2, "bad_medium": 1, "bad_group": 1}
+        assert h.flush() == 22  # U64 and "x" are counted there, not published
+        assert h.stats()["problems"] == {"bad_key": 3, "bad_medium": 1, "bad_group": 1}
     finally:
         h.close()
 
