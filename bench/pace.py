@@ -15,12 +15,16 @@ publish to the manager's receipt, both on CLOCK_MONOTONIC), drain lag (last step
 Engine: process CPU (all threads) per event net of the same paced loop without reporting
 (`none`, same run, alternated with the others); vLLM's publisher counts until its thread sent
 every batch. Idle: a sidecar holding 20 000 keys with its engine attached and silent (CPU and
-requests/s, heartbeats included). Single key: stored(k) x 200 000 then one flush(), process CPU.
+requests/s, heartbeats included). Single key: stored(k) x 200 000 then one flush(), process CPU
+(best of 3 in one process, each side in a process of its own).
 Runs alternate (none, ring, zmq per rate and repetition; with --baseline-root DIR the sidecar of
-another checkout runs beside ours in every repetition: A/B in one run).
+another checkout runs beside ours in every repetition: A/B in one run). `--only single_key`
+runs only the single-key part, --reps times, alternating with the baseline's
+(bench/results/pace_single_key.json unless --out).
 
   python -m bench.pace [--quick] [--rates 5000,20000] [--seconds 3] [--reps 2]
                        [--idle-seconds 20] [--idle-only] [--baseline-root DIR] [--out PATH]
+                       [--only single_key]
 (--idle-only: the idle part alone, ~3 min with --baseline-root, to bench/results/pace_idle.json
 unless --out says otherwise. Idle also gives the sidecar's wake-ups/s, voluntary context
 switches of all its threads, and its CPU from schedstat, in ns rather than 10 ms ticks.)
@@ -521,6 +525,45 @@ def single_key(root: Path, reps: int) -> dict[str, Any]:
     return result
 
 
+def single_key_ab(sides: list[tuple[str, Path | None]], rounds: int, reps: int) -> dict[str, Any]:
+    """single_key() for each side, alternated `rounds` times: each side's best and every run."""
+    runs: dict[str, list[dict[str, Any]]] = {prefix + "hook": [] for prefix, _root in sides}
+    for _ in range(rounds):
+        for prefix, root in sides:
+            runs[prefix + "hook"].append(single_key(root or ROOT, reps))
+    out: dict[str, Any] = {}
+    for label, rows in runs.items():
+        values = [r["ns_per_call"] for r in rows]
+        dropped = max(r["dropped"] for r in rows)
+        out[label] = {"ns_per_call": min(values), "runs_ns_per_call": values, "dropped": dropped}
+        print(
+            f"single key {label:<9} best {min(values):6.1f} ns per call, runs "
+            + " ".join(f"{v:.1f}" for v in values),
+            flush=True,
+        )
+    return out
+
+
+def _only_single_key(a: argparse.Namespace, sides: list[tuple[str, Path | None]]) -> None:
+    result: dict[str, Any] = {
+        "conditions": {
+            "python": sys.version.split()[0],
+            "cpus": os.cpu_count(),
+            "loadavg_start": os.getloadavg(),
+            "rounds": a.reps,
+            "baseline_root": str(sides[1][1]) if len(sides) > 1 else None,
+        },
+    }
+    result["single_key"] = single_key_ab(sides, a.reps, 3 if not a.quick else 1)
+    result["conditions"]["loadavg_end"] = os.getloadavg()
+    goal = "single key stored(k) <= 150 ns per call"
+    result["goals"] = {goal: result["single_key"]["hook"]["ns_per_call"] <= 150}
+    out = Path(a.out or RESULTS / "pace_single_key.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: result[k] for k in ("conditions", "goals")}, indent=1))
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -573,11 +616,13 @@ def main() -> None:
     ap.add_argument("--idle-only", action="store_true")
     ap.add_argument("--baseline-root", default="")
     ap.add_argument("--out", default="")
+    ap.add_argument("--only", choices=["single_key"], default="", help="run only this part")
     a = ap.parse_args()
     if a.worker:
         worker(json.loads(a.worker))
         return
-    a.out = a.out or str(RESULTS / ("pace_idle.json" if a.idle_only else "pace.json"))
+    if a.only != "single_key":  # that part has its own default (_only_single_key)
+        a.out = a.out or str(RESULTS / ("pace_idle.json" if a.idle_only else "pace.json"))
     rates = [int(r) for r in a.rates.split(",")] if a.rates else list(RATES)
     if a.quick:
         rates = [int(r) for r in a.rates.split(",")] if a.rates else [20_000]
@@ -586,6 +631,9 @@ def main() -> None:
     sides: list[tuple[str, Path | None]] = [("", None)]
     if base_root is not None:
         sides.append(("base_", base_root))
+    if a.only == "single_key":
+        _only_single_key(a, sides)
+        return
     null = Proc([PY, "-m", "bench.null_server", "--record"])
     assert null.p.stdout is not None
     a.base = null.p.stdout.readline().rsplit(" ", 1)[1].strip()
@@ -626,7 +674,7 @@ def main() -> None:
         null.stop()
     result["conditions"]["loadavg_end"] = os.getloadavg()
     result["goals"] = _goals(result)
-    out = Path(a.out)
+    out = Path(a.out or RESULTS / "pace.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: result.get(k) for k in ("idle", "single_key", "goals")}, indent=1))

@@ -168,7 +168,12 @@ class BlockCache:
         keys = []
         masks = []
         for gi, g in enumerate(self.groups):
-            k = g.key_of[g.valid]
+            # A private copy of the mask first: the flusher thread calls this while the engine
+            # thread inserts, and numpy's boolean index releases the GIL between counting the
+            # mask's True entries and copying them, so a mask that gained one meanwhile wrote
+            # past the result (heap corruption; AddressSanitizer on a stress of
+            # sidecar/testbed/ring_engine.py's cache mode). A copy may be stale, never unsafe.
+            k = g.key_of[g.valid.copy()]
             keys.append(k)
             masks.append(np.full(len(k), 1 << gi, np.uint32))
         return np.concatenate(keys), np.concatenate(masks)

@@ -2,7 +2,8 @@
 
 Imports: stdlib, numpy, sidecar.shm_ring. Invariants: no public method raises into the engine or
 blocks on the sidecar; every failure is counted in `stats()` and logged at most once per reason per
-interval. Records are staged in a list (one atomic `append` per call under the GIL) and published
+interval. Records are staged in a list (one atomic `append` per call under the GIL; with the
+compiled module a single key's stored()/removed() stage in C, the same items) and published
 by `flush()`. A background flusher sleeps while nothing is staged (a liveness stamp once a second)
 and publishes what the engine leaves staged within `max_stage_delay_ms` (docs/ring.md, "Producer
 protocol"); it never wakes per engine step of an engine that flushes itself.
@@ -117,11 +118,13 @@ class _FlushState:
     """What the C flush (_accel.Publisher) shares with the Python code, for a hook without it:
     the same attributes, and every flush is the Python one."""
 
-    __slots__ = ("busy", "fast", "flushes", "fold_at", "fold_post_at", "queue")
+    __slots__ = ("busy", "fast", "flushes", "fold_at", "fold_post_at", "queue", "run", "stage")
 
     def __init__(self) -> None:
         self.queue: Any = None
         self.fast = 0
+        self.run: tuple[Any, int] = ((), -1)
+        self.stage = 0
         self.flushes = self.busy = 0
         self.fold_post_at = self.fold_at = _NEVER
 
@@ -259,7 +262,6 @@ class Hook:
         self._provider: SnapshotProvider | None = None
         self._staged: list[tuple[Any, int]] = []
         self._append = self._staged.append
-        self._run: tuple[Any, int] = ((), -1)  # the word array single stored() keys grow
         # The staging conversion of a list (C: one call; a bool refused, a negative key taken).
         accel = compiled.accel
         self._words: Callable[[list[Any]], array[int]] = (
@@ -297,6 +299,11 @@ class Hook:
         self._bell = EngineBell(segment.name) if start_flusher else None
         # The engine's flush() is the C one (one call, no Python frame) when the compiled
         # module has it: it does the usual flush and leaves the rest to this class's flush().
+        # So are stored() and removed(): a call with an int key, a list or an int64/uint64
+        # array is staged in C exactly as the methods below stage it; every other call is
+        # theirs. `_pub.run` is the word array single stored() keys grow, shared by both;
+        # `_pub.stage` is 1 only while `_append` is the staged list's own (the C calls stage
+        # new items only then).
         self._pub: Any = _FlushState()
         accel = compiled.accel
         if start_flusher and accel is not None and hasattr(accel, "Publisher"):
@@ -312,6 +319,18 @@ class Hook:
                 object.__setattr__(self, "flush", self._pub.flush)
             except Exception as exc:  # an acceleration: without it the Python flush publishes
                 self._problem("c_flush_unavailable", repr(exc))
+            else:
+                try:
+                    pub = self._pub
+                    pub.run = ((), -1)
+                    numpy = (np.ndarray, np.dtype(np.int64), np.dtype(np.uint64))
+                    pub.staging(
+                        self.stored, self.removed, self._stored_meta, self._removed_meta, numpy
+                    )
+                    object.__setattr__(self, "stored", pub.stored)
+                    object.__setattr__(self, "removed", pub.removed)
+                except Exception as exc:  # the same: the Python methods stage every call
+                    self._problem("c_stage_unavailable", repr(exc))
         self._set_resident(self._new_resident(start_flusher))
         # Queued resident records at which a flush posts the flusher to fold (once, until it
         # has): the fold runs in the flusher, never in the engine's flush.
@@ -339,7 +358,9 @@ class Hook:
                 # Block by block (Python engines that report each block): consecutive keys
                 # with one meta grow one word array, so the flush writes one run, not one per
                 # key. Only the newest staged item grows (the flush detaches what it takes).
-                run = self._run
+                # (_accel.Publisher.stored does this branch in C when compiled.)
+                pub = self._pub
+                run = pub.run
                 try:
                     if self._staged[-1] is run and run[1] == meta:
                         run[0].append(keys)
@@ -351,7 +372,7 @@ class Hook:
                 except OverflowError:  # negative or too large: staged alone, as before
                     self._append((keys, meta))
                     return
-                self._run = run
+                pub.run = run
                 self._append(run)
             elif t is list:
                 if keys:
@@ -543,6 +564,8 @@ class Hook:
         for item, meta in chunk:
             t = type(item)
             if t is list or t is array:
+                if len(flat) + len(item) > WORDS_MAX:
+                    return None  # (before a list of ints is made of, say, a 200 k-key run)
                 flat += item
                 flat_m += [meta] * len(item)
             elif t is int:
@@ -560,7 +583,11 @@ class Hook:
         keys_l: list[np.ndarray] = []
         metas_l: list[np.ndarray] = []
         for item, meta in chunk:
-            if type(item) is not np.ndarray:
+            if type(item) is array and item.typecode == "Q":
+                # Single keys' run (or a list's words): words already, one copy, not a Python
+                # loop per key (a run past WORDS_MAX that met a wrap cost ~300 ns per key).
+                item = np.array(item, np.uint64).view(np.int64)
+            elif type(item) is not np.ndarray:
                 item, bad = split_keys(item)
                 if bad is not None:  # dropped from the ring and the resident set alike
                     self._problem("bad_key", bad)
@@ -656,11 +683,16 @@ class Hook:
     # ---- the flusher thread ----------------------------------------------------------------
     def _arm(self) -> None:
         """Make the next staging post the bell (the flusher is about to sleep until the stamp)."""
+        self._pub.stage = 0  # first: the C stored()/removed() must not stage past the post
         self._append = self._append_and_wake
 
     def _append_and_wake(self, item: tuple[Any, int]) -> None:
         self._staged.append(item)
         self._append = self._staged.append  # one post per quiet spell, then plain appends
+        # Last: the C calls may append to staged themselves again. (An _arm() racing this may
+        # leave stage 1 beside an armed _append: the post below still follows, and the
+        # flusher, which looks at staged after arming, publishes what the C calls stage.)
+        self._pub.stage = 1
         if self._bell is not None:
             self._bell.post()
 
@@ -761,6 +793,7 @@ class Hook:
                 self._thread.join(timeout=1.0)
             self.flush(wait=True)
             with self._flush_lock:
+                self._pub.stage = 0  # the C stored()/removed() leave every call to Python
                 self._append = self._closed_append
                 # What the engine staged between that flush and the swap is published too.
                 self._publish_staged()

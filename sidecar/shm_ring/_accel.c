@@ -25,7 +25,7 @@
 /* Raised with every change to a signature or behaviour here; compiled.py uses the module only
  * if it equals its own ACCEL_ABI, so a stale in-place build is never called with the wrong
  * arguments (it falls back to the numpy / Python forms instead). */
-#define ACCEL_ABI 11
+#define ACCEL_ABI 12
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 /* Must equal sidecar/shm_ring/layout.py's KIND_STORED / KIND_REMOVED (a test compares). */
 #define KIND_STORED 1
@@ -438,9 +438,14 @@ static PyTypeObject RunQueueType = {
 typedef struct {
     PyObject_HEAD
     PyObject *staged, *token, *queue, *slow, *after;
+    /* the staging calls (stored/removed, below): the Python methods they stand in for, the
+     * hook's meta tables, and the run single stored() keys grow (the hook's, shared) */
+    PyObject *slow_stored, *slow_removed, *stored_meta, *removed_meta, *run;
+    PyObject *ndarray, *dt_int64, *dt_uint64; /* numpy's, from staging(); NULL: no arrays */
     Py_buffer words, hdr;
-    int held; /* words and hdr are held (until release()) */
-    int fast; /* 0: every flush is the Python one */
+    int held;  /* words and hdr are held (until release()) */
+    int fast;  /* 0: every flush is the Python one */
+    int stage; /* 1: the hook's staging append is the staged list's own (see stored) */
     Py_ssize_t capacity;
     long long flushes, busy, fold_post_at, fold_at;
 } Publisher;
@@ -451,6 +456,14 @@ static int pub_traverse(Publisher *p, visitproc visit, void *arg) {
     Py_VISIT(p->queue);
     Py_VISIT(p->slow);
     Py_VISIT(p->after);
+    Py_VISIT(p->slow_stored);
+    Py_VISIT(p->slow_removed);
+    Py_VISIT(p->stored_meta);
+    Py_VISIT(p->removed_meta);
+    Py_VISIT(p->run);
+    Py_VISIT(p->ndarray);
+    Py_VISIT(p->dt_int64);
+    Py_VISIT(p->dt_uint64);
     return 0;
 }
 
@@ -470,6 +483,15 @@ static int pub_clear(Publisher *p) {
     Py_CLEAR(p->queue);
     Py_CLEAR(p->slow);
     Py_CLEAR(p->after);
+    Py_CLEAR(p->slow_stored);
+    Py_CLEAR(p->slow_removed);
+    Py_CLEAR(p->stored_meta);
+    Py_CLEAR(p->removed_meta);
+    Py_CLEAR(p->run);
+    Py_CLEAR(p->ndarray);
+    Py_CLEAR(p->dt_int64);
+    Py_CLEAR(p->dt_uint64);
+    p->stage = 0;
     return 0;
 }
 
@@ -629,11 +651,310 @@ static PyObject *pub_release(Publisher *p, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* ---- the engine's staging calls, in C ---------------------------------------------------
+ * hook.stored(k) / hook.removed(k) for one int key is the per-block call of an engine that
+ * reports block by block: in Python its frame, lookups and method calls cost ~200 ns
+ * (bench/README.md, "single key"). Publisher.stored / .removed do what the Python methods
+ * (`slow_stored` / `slow_removed`) do for the common calls, an exact int key or a list with
+ * group an exact int and medium absent, None or an exact str, with the same meta lookups in
+ * the hook's tables (stage_meta), and stage exactly what those stage. stored(k) grows the
+ * newest staged run (`run`, the hook's, shared with its Python method: (array('Q'), meta))
+ * when its meta matches, else stages a new run, or the key alone if it is no word in
+ * [0, 2^64) (negative, or too wide: the flush converts or rejects it); removed(k) stages
+ * (k, meta). A list (an engine step's call) is staged as its words (words(), the Python
+ * methods' `_words` in a compiled hook), or as a copy if a key is no word; an int64 or uint64
+ * ndarray as its int64 copy (stage_ndarray). Every other call (other arrays, a bool, a
+ * numpy int, an unknown group or medium, wrong arguments) is the Python method's (~50 ns
+ * more than calling it directly), and so is every call that would stage a new item while
+ * `stage` is 0: the hook's append is then not the staged list's own (the first staging after
+ * a quiet spell posts the flusher's bell; a closed hook counts the call).
+ * GIL-safe as Publisher.flush is: between the look at the newest run and the append to it,
+ * and between the look at `stage` and the append to `staged`, no Python code runs and no
+ * GC-tracked object is allocated (a new item's objects are made before the look), so no
+ * other thread stages or publishes in between. */
+
+/* array('Q', [0]): `word_array * k` (sq_repeat) makes a k-word array without parsing. */
+static PyObject *word_array = NULL;
+
+/* array.array.append's C function (METH_O), called directly: a call through the bound method
+ * costs about as much as the rest of stored(). NULL: call the method by name. */
+static PyCFunction array_append_fn = NULL;
+static PyObject *str_append = NULL;
+static PyObject *kw_group = NULL, *kw_medium = NULL, *int_zero = NULL;
+static PyObject *str_dtype = NULL, *str_ravel = NULL, *str_view = NULL, *str_copy = NULL,
+                *str_astype = NULL;
+
+static int array_append(PyObject *arr, PyObject *v) {
+    PyObject *r = array_append_fn != NULL ? array_append_fn(arr, v)
+                                          : PyObject_CallMethodOneArg(arr, str_append, v);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* The meta of a call (key, group=0, medium=None) in `table` (a new reference), looked up as
+ * the Python methods do (group, or (group, medium) for a medium), or NULL (no exception set)
+ * if the call is not of that form with an exact int group and medium None or an exact str, or
+ * the table has no such entry (the Python method counts it). Only ints and strs are hashed
+ * and compared: no Python code runs. */
+static PyObject *stage_meta(PyObject *table, PyObject *const *args, Py_ssize_t nargs,
+                            PyObject *kwnames) {
+    const Py_ssize_t nkw = kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (table == NULL || nargs < 1 || nargs + nkw > 3) return NULL;
+    PyObject *group = nargs >= 2 ? args[1] : NULL, *medium = nargs >= 3 ? args[2] : NULL;
+    for (Py_ssize_t i = 0; i < nkw; i++) { /* interned names; any other spelling: Python's */
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+        if (name == kw_group && group == NULL)
+            group = args[nargs + i];
+        else if (name == kw_medium && medium == NULL)
+            medium = args[nargs + i];
+        else
+            return NULL;
+    }
+    if (group == NULL) group = int_zero;
+    if (!PyLong_CheckExact(group)) return NULL;
+    PyObject *meta;
+    if (medium == NULL || medium == Py_None) {
+        meta = PyDict_GetItemWithError(table, group);
+    } else {
+        if (!PyUnicode_CheckExact(medium)) return NULL;
+        PyObject *at = PyTuple_Pack(2, group, medium);
+        if (at == NULL) {
+            PyErr_Clear();
+            return NULL;
+        }
+        meta = PyDict_GetItemWithError(table, at);
+        Py_DECREF(at);
+    }
+    if (meta == NULL || !PyLong_CheckExact(meta)) {
+        PyErr_Clear();
+        return NULL;
+    }
+    Py_INCREF(meta);
+    return meta;
+}
+
+static PyObject *stage_slow(PyObject *slow, PyObject *const *args, Py_ssize_t nargs,
+                            PyObject *kwnames) {
+    if (slow == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Publisher: staging() was not called");
+        return NULL;
+    }
+    return PyObject_Vectorcall(slow, args, (size_t)nargs, kwnames);
+}
+
+/* Append `item` (a new reference, taken) to staged if the hook's append is the list's own:
+ * 1 if it did, 0 if not (the caller goes to Python; no exception set). */
+static int stage_append(Publisher *p, PyObject *item) {
+    int done = 0;
+    if (p->stage && p->staged != NULL && PyList_Append(p->staged, item) == 0) done = 1;
+    PyErr_Clear();
+    Py_DECREF(item);
+    return done;
+}
+
+static PyObject *words(PyObject *self, PyObject *list);
+
+/* A list's staging, as the Python methods': (words(keys), meta), or a copy of the list if a
+ * key is no word (a bool, a str, ...: the flush checks each key); an empty list stages
+ * nothing. 1: done; 0: nothing staged, the caller goes to Python (no exception set). */
+static int stage_list(Publisher *p, PyObject *list, PyObject *meta) {
+    if (PyList_GET_SIZE(list) == 0) return 1;
+    PyObject *keys = words(NULL, list);
+    if (keys == NULL) {
+        const int copy = PyErr_ExceptionMatches(PyExc_OverflowError) ||
+                         PyErr_ExceptionMatches(PyExc_TypeError);
+        PyErr_Clear();
+        keys = copy ? PyList_GetSlice(list, 0, PY_SSIZE_T_MAX) : NULL;
+        if (keys == NULL) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    PyObject *item = PyTuple_Pack(2, keys, meta);
+    Py_DECREF(keys);
+    if (item == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    return stage_append(p, item);
+}
+
+/* An ndarray's staging, as the Python methods' for an int64 or uint64 one (native order: the
+ * dtype singletons): its ravel() copied to int64 (astype; a uint64 one viewed as int64,
+ * KVCM's signed bit pattern), or nothing if it is empty; the same numpy calls, without the
+ * Python frame and its dtype comparisons. 1: done; 0: nothing staged, the caller goes to
+ * Python (another dtype, an object array, a failure). */
+static int stage_ndarray(Publisher *p, PyObject *nd, PyObject *meta) {
+    PyObject *dt = PyObject_GetAttr(nd, str_dtype), *flat = NULL, *keys = NULL;
+    const int u64 = dt != NULL && dt == p->dt_uint64;
+    if (dt == NULL || (dt != p->dt_int64 && !u64)) goto fail;
+    flat = PyObject_CallMethodNoArgs(nd, str_ravel);
+    if (flat == NULL) goto fail;
+    const Py_ssize_t n = PyObject_Size(flat);
+    if (n < 0) goto fail;
+    if (n == 0) { /* (as `if len(arr)`: nothing to stage) */
+        Py_DECREF(flat);
+        Py_DECREF(dt);
+        return 1;
+    }
+    if (u64) {
+        PyObject *view = PyObject_CallMethodOneArg(flat, str_view, p->dt_int64);
+        keys = view != NULL ? PyObject_CallMethodNoArgs(view, str_copy) : NULL;
+        Py_XDECREF(view);
+    } else {
+        keys = PyObject_CallMethodOneArg(flat, str_astype, p->dt_int64);
+    }
+    if (keys == NULL) goto fail;
+    Py_DECREF(flat);
+    Py_DECREF(dt);
+    PyObject *item = PyTuple_Pack(2, keys, meta);
+    Py_DECREF(keys);
+    if (item == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    return stage_append(p, item);
+fail:
+    Py_XDECREF(flat);
+    Py_XDECREF(dt);
+    PyErr_Clear();
+    return 0;
+}
+
+/* stored(keys, group=0, medium=None): the hook's stored(). */
+static PyObject *pub_stored(Publisher *p, PyObject *const *args, Py_ssize_t nargs,
+                            PyObject *kwnames) {
+    if (nargs < 1) goto slow;
+    PyObject *key = args[0];
+    const int list = PyList_CheckExact(key);
+    const int nd = !list && p->ndarray != NULL && Py_IS_TYPE(key, (PyTypeObject *)p->ndarray);
+    if (!list && !nd && !PyLong_CheckExact(key)) goto slow; /* (no lookup first) */
+    PyObject *meta = stage_meta(p->stored_meta, args, nargs, kwnames);
+    if (meta == NULL) goto slow;
+    if (list || nd) {
+        if (!(list ? stage_list(p, key, meta) : stage_ndarray(p, key, meta))) goto slow_meta;
+        goto done;
+    }
+    uint64_t word;
+    if (!u64_word(key, &word, 0)) { /* negative or too wide: staged alone, as in Python */
+        PyObject *item = PyTuple_Pack(2, key, meta);
+        if (item == NULL || !stage_append(p, item)) goto slow_meta;
+        goto done;
+    }
+    PyObject *run = p->run;
+    const Py_ssize_t n = p->staged != NULL ? PyList_GET_SIZE(p->staged) : 0;
+    if (n && run != NULL && PyList_GET_ITEM(p->staged, n - 1) == run && PyTuple_CheckExact(run) &&
+        PyTuple_GET_SIZE(run) == 2 && Py_IS_TYPE(PyTuple_GET_ITEM(run, 0), array_type)) {
+        PyObject *rm = PyTuple_GET_ITEM(run, 1);
+        int same = rm == meta;
+        if (!same && PyLong_CheckExact(rm)) {
+            PyObject *eq = PyLong_Type.tp_richcompare(rm, meta, Py_EQ);
+            same = eq == Py_True;
+            Py_XDECREF(eq);
+        }
+        if (same) {
+            if (array_append(PyTuple_GET_ITEM(run, 0), key) == 0) goto done;
+            goto slow_meta; /* (a buffer export, no memory: Python's handling, the same) */
+        }
+    }
+    /* A new run: its objects first (an allocation may run a collection, and other threads),
+     * then the look at `stage` and the append, with nothing in between. */
+    PyObject *arr = PySequence_Repeat(word_array, 0);
+    if (arr == NULL || array_append(arr, key) < 0) {
+        Py_XDECREF(arr);
+        goto slow_meta;
+    }
+    PyObject *item = PyTuple_Pack(2, arr, meta);
+    Py_DECREF(arr);
+    if (item == NULL) goto slow_meta;
+    Py_INCREF(item);
+    if (!stage_append(p, item)) {
+        Py_DECREF(item);
+        goto slow_meta;
+    }
+    PyObject *old = p->run; /* released last: its last reference may run Python code */
+    p->run = item;
+    Py_XDECREF(old);
+done:
+    Py_DECREF(meta);
+    Py_RETURN_NONE;
+slow_meta:
+    Py_DECREF(meta);
+slow:
+    PyErr_Clear();
+    return stage_slow(p->slow_stored, args, nargs, kwnames);
+}
+
+/* removed(keys, group=0, medium=None): the hook's removed(). */
+static PyObject *pub_removed(Publisher *p, PyObject *const *args, Py_ssize_t nargs,
+                             PyObject *kwnames) {
+    PyObject *key = nargs >= 1 ? args[0] : NULL;
+    const int list = key != NULL && PyList_CheckExact(key);
+    const int nd = key != NULL && !list && p->ndarray != NULL &&
+                   Py_IS_TYPE(key, (PyTypeObject *)p->ndarray);
+    PyObject *meta = list || nd || (key != NULL && PyLong_CheckExact(key))
+                         ? stage_meta(p->removed_meta, args, nargs, kwnames)
+                         : NULL;
+    if (meta != NULL) {
+        int done;
+        if (list) {
+            done = stage_list(p, key, meta);
+        } else if (nd) {
+            done = stage_ndarray(p, key, meta);
+        } else {
+            PyObject *item = PyTuple_Pack(2, args[0], meta);
+            done = item != NULL && stage_append(p, item);
+        }
+        Py_DECREF(meta);
+        if (done) Py_RETURN_NONE;
+        PyErr_Clear();
+    }
+    return stage_slow(p->slow_removed, args, nargs, kwnames);
+}
+
+/* staging(stored, removed, stored_meta, removed_meta, numpy): the Python methods
+ * stored()/removed() stand in for, the hook's meta tables ({group: meta, (group, medium):
+ * meta}) and (numpy.ndarray, dtype int64, dtype uint64), or None: every array is the Python
+ * methods'. */
+static PyObject *pub_staging(Publisher *p, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyCallable_Check(args[0]) || !PyCallable_Check(args[1]) ||
+        !PyDict_CheckExact(args[2]) || !PyDict_CheckExact(args[3]) ||
+        (args[4] != Py_None &&
+         (!PyTuple_CheckExact(args[4]) || PyTuple_GET_SIZE(args[4]) != 3 ||
+          !PyType_Check(PyTuple_GET_ITEM(args[4], 0))))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "staging(stored, removed, stored_meta: dict, removed_meta: dict, "
+                        "numpy: (ndarray, int64, uint64) | None)");
+        return NULL;
+    }
+    PyObject *np = args[4] == Py_None ? NULL : args[4];
+    Py_XSETREF(p->ndarray, np ? Py_NewRef(PyTuple_GET_ITEM(np, 0)) : NULL);
+    Py_XSETREF(p->dt_int64, np ? Py_NewRef(PyTuple_GET_ITEM(np, 1)) : NULL);
+    Py_XSETREF(p->dt_uint64, np ? Py_NewRef(PyTuple_GET_ITEM(np, 2)) : NULL);
+    Py_INCREF(args[0]);
+    Py_XSETREF(p->slow_stored, args[0]);
+    Py_INCREF(args[1]);
+    Py_XSETREF(p->slow_removed, args[1]);
+    Py_INCREF(args[2]);
+    Py_XSETREF(p->stored_meta, args[2]);
+    Py_INCREF(args[3]);
+    Py_XSETREF(p->removed_meta, args[3]);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef pub_methods[] = {
     {"flush", (PyCFunction)(void (*)(void))pub_flush, METH_FASTCALL | METH_KEYWORDS,
      "flush(wait=False) -> records accepted (the hook's flush)"},
     {"release", (PyCFunction)pub_release, METH_NOARGS,
      "let go of the ring's buffers (before the segment closes); later flushes are slow()'s"},
+    {"stored", (PyCFunction)(void (*)(void))pub_stored, METH_FASTCALL | METH_KEYWORDS,
+     "stored(keys, group=0, medium=None): the hook's stored() (its common call in C)"},
+    {"removed", (PyCFunction)(void (*)(void))pub_removed, METH_FASTCALL | METH_KEYWORDS,
+     "removed(keys, group=0, medium=None): the hook's removed() (its common call in C)"},
+    {"staging", (PyCFunction)(void (*)(void))pub_staging, METH_FASTCALL,
+     "staging(stored, removed, stored_meta, removed_meta, numpy): what stored()/removed() "
+     "stand in for"},
     {NULL},
 };
 
@@ -646,6 +967,10 @@ static PyMemberDef pub_members[] = {
      "queued records at which a flush posts the flusher (then NEVER until reset)"},
     {"fold_at", T_LONGLONG, offsetof(Publisher, fold_at), 0,
      "queued records at which a flush asks after() to fold"},
+    {"run", T_OBJECT, offsetof(Publisher, run), 0,
+     "the run single stored() keys grow: (array('Q'), meta), the hook's"},
+    {"stage", T_INT, offsetof(Publisher, stage), 0,
+     "1: the hook's staging append is the staged list's own (stored/removed may append)"},
     {NULL},
 };
 
@@ -662,9 +987,6 @@ static PyTypeObject PublisherType = {
     .tp_methods = pub_methods,
     .tp_members = pub_members,
 };
-
-/* array('Q', [0]): `word_array * k` (sq_repeat) makes a k-word array without parsing. */
-static PyObject *word_array = NULL;
 
 /* words(keys: list) -> array('Q'): the keys as u64 words of KVCM's signed bit pattern (a
  * negative key wraps). Each item must be an int (not a bool) in [-2^63, 2^64): TypeError or
@@ -958,6 +1280,28 @@ PyMODINIT_FUNC PyInit__accel(void) {
             Py_CLEAR(array_type);
             return NULL;
         }
+        /* array.append's C function, if it is the plain METH_O one (else: called by name) */
+        PyObject *d = PyObject_GetAttrString((PyObject *)array_type, "append");
+        if (d == NULL) return NULL;
+        if (Py_IS_TYPE(d, &PyMethodDescr_Type) &&
+            ((PyMethodDescrObject *)d)->d_method->ml_flags == METH_O)
+            array_append_fn = ((PyMethodDescrObject *)d)->d_method->ml_meth;
+        Py_DECREF(d);
+    }
+    if (str_append == NULL) {
+        str_append = PyUnicode_InternFromString("append");
+        kw_group = PyUnicode_InternFromString("group");
+        kw_medium = PyUnicode_InternFromString("medium");
+        int_zero = PyLong_FromLong(0);
+        str_dtype = PyUnicode_InternFromString("dtype");
+        str_ravel = PyUnicode_InternFromString("ravel");
+        str_view = PyUnicode_InternFromString("view");
+        str_copy = PyUnicode_InternFromString("copy");
+        str_astype = PyUnicode_InternFromString("astype");
+        if (str_append == NULL || kw_group == NULL || kw_medium == NULL || int_zero == NULL ||
+            str_dtype == NULL || str_ravel == NULL || str_view == NULL || str_copy == NULL ||
+            str_astype == NULL)
+            return NULL;
     }
     if (PyType_Ready(&RunQueueType) < 0 || PyType_Ready(&PublisherType) < 0) return NULL;
     PyObject *mod = PyModule_Create(&module);

@@ -57,6 +57,8 @@ class Publisher:  # absent from a free-threaded build (its flush relies on the G
     busy: int
     fold_post_at: int
     fold_at: int
+    run: tuple[Any, int] | None
+    stage: int
     def __init__(
         self,
         staged: list[Any],
@@ -69,3 +71,14 @@ class Publisher:  # absent from a free-threaded build (its flush relies on the G
     ) -> None: ...
     def flush(self, wait: bool = False) -> int: ...
     def release(self) -> None: ...
+    def staging(
+        self,
+        stored: Any,
+        removed: Any,
+        stored_meta: dict[Any, int],
+        removed_meta: dict[Any, int],
+        numpy: tuple[type, Any, Any] | None,
+        /,
+    ) -> None: ...
+    def stored(self, keys: Any, group: int = 0, medium: str | None = None) -> None: ...
+    def removed(self, keys: Any, group: int = 0, medium: str | None = None) -> None: ...
