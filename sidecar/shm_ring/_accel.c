@@ -753,6 +753,18 @@ static int stage_append(Publisher *p, PyObject *item) {
     return done;
 }
 
+/* Stages (keys, meta), taking the reference to keys: stage_append's result, or 0 (nothing
+ * staged, the caller goes to Python) when the pair cannot be made. */
+static int stage_pair(Publisher *p, PyObject *keys, PyObject *meta) {
+    PyObject *item = PyTuple_Pack(2, keys, meta);
+    Py_DECREF(keys);
+    if (item == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    return stage_append(p, item);
+}
+
 static PyObject *words(PyObject *self, PyObject *list);
 
 /* A list's staging, as the Python methods': (words(keys), meta), or a copy of the list if a
@@ -771,13 +783,7 @@ static int stage_list(Publisher *p, PyObject *list, PyObject *meta) {
             return 0;
         }
     }
-    PyObject *item = PyTuple_Pack(2, keys, meta);
-    Py_DECREF(keys);
-    if (item == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    return stage_append(p, item);
+    return stage_pair(p, keys, meta);
 }
 
 /* An ndarray's staging, as the Python methods' for an int64 or uint64 one (native order: the
@@ -808,13 +814,7 @@ static int stage_ndarray(Publisher *p, PyObject *nd, PyObject *meta) {
     if (keys == NULL) goto fail;
     Py_DECREF(flat);
     Py_DECREF(dt);
-    PyObject *item = PyTuple_Pack(2, keys, meta);
-    Py_DECREF(keys);
-    if (item == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    return stage_append(p, item);
+    return stage_pair(p, keys, meta);
 fail:
     Py_XDECREF(flat);
     Py_XDECREF(dt);
