@@ -262,6 +262,7 @@ class Hook:
         self._provider: SnapshotProvider | None = None
         self._staged: list[tuple[Any, int]] = []
         self._append = self._staged.append
+        self._wake = self._append_and_wake  # bound once: _append_and_wake looks at it by `is`
         # The staging conversion of a list (C: one call; a bool refused, a negative key taken).
         accel = compiled.accel
         self._words: Callable[[list[Any]], array[int]] = (
@@ -684,11 +685,17 @@ class Hook:
     def _arm(self) -> None:
         """Make the next staging post the bell (the flusher is about to sleep until the stamp)."""
         self._pub.stage = 0  # first: the C stored()/removed() must not stage past the post
-        self._append = self._append_and_wake
+        self._append = self._wake
 
     def _append_and_wake(self, item: tuple[Any, int]) -> None:
         self._staged.append(item)
-        self._append = self._staged.append  # one post per quiet spell, then plain appends
+        # One post per quiet spell, then plain appends; but never over close()'s swap to
+        # _closed_append that fell between the append and here (the item is staged before
+        # that swap, so close() publishes it). The look and the store allocate nothing and
+        # pass no eval-breaker check between them: no thread switch under the GIL.
+        if self._append is not self._wake:
+            return  # closed meanwhile (stage 0 too), or another thread's call swapped and posts
+        self._append = self._staged.append
         # Last: the C calls may append to staged themselves again. (An _arm() racing this may
         # leave stage 1 beside an armed _append: the post below still follows, and the
         # flusher, which looks at staged after arming, publishes what the C calls stage.)
