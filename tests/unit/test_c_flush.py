@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -26,7 +25,7 @@ from sidecar.shm_ring import compiled
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.doorbell import Listener
 from sidecar.shm_ring.reader import RingReader
-from sidecar.shm_ring.segment import unlink
+from tests.unit.hook_pair import assert_same_end, close_pair, python_forms
 
 accel = compiled.accel
 pytestmark = pytest.mark.skipif(
@@ -34,14 +33,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@contextlib.contextmanager
-def _python_forms() -> Iterator[None]:
-    built = compiled.accel
-    compiled.accel = None
-    try:
-        yield
-    finally:
-        compiled.accel = built
+_python_forms = python_forms
 
 
 def _quiet_hook(name: str, capacity: int, fold_at: int) -> Hook:
@@ -119,19 +111,9 @@ def test_c_flush_leaves_what_the_python_flush_leaves(
         hc, hp = c._seg.hdr, py._seg.hdr
         for w in (L.W_TAIL, L.W_LAST_SEQ, L.W_ATTEMPTED, L.W_DROPPED):
             assert hc[w] == hp[w]
-        sc, sp = c.stats(), py.stats()
-        for key in ("staged", "last_seq", "dropped", "flushes", "problems"):
-            assert sc[key] == sp[key]
-        assert c._resident is not None and py._resident is not None
-        with _python_forms():
-            py_resident = py._resident.as_dict()
-        assert c._resident.as_dict() == py_resident
+        assert_same_end(c, py)
     finally:
-        for r in readers:
-            r.close()
-        for h, name in ((c, names[0]), (py, names[1])):
-            h.close()
-            unlink(name)
+        close_pair(readers, (c, py), names)
 
 
 def test_c_flush_is_one_call_that_publishes_and_queues(ring_name: str) -> None:

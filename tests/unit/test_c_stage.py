@@ -14,7 +14,6 @@ import sys
 import threading
 import uuid
 from array import array
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -28,8 +27,9 @@ from engine_hook.hook import Hook
 from sidecar.shm_ring import compiled
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.reader import RingReader
-from sidecar.shm_ring.segment import Segment, unlink
+from sidecar.shm_ring.segment import Segment
 from sidecar.shm_ring.writer import WORDS_MAX
+from tests.unit.hook_pair import assert_same_end, close_pair, python_forms
 
 accel = compiled.accel
 pytestmark = pytest.mark.skipif(
@@ -38,14 +38,7 @@ pytestmark = pytest.mark.skipif(
 U64 = 1 << 64
 
 
-@contextlib.contextmanager
-def _python_forms() -> Iterator[None]:
-    built = compiled.accel
-    compiled.accel = None
-    try:
-        yield
-    finally:
-        compiled.accel = built
+_python_forms = python_forms
 
 
 class _Bell:
@@ -239,19 +232,9 @@ def test_c_staging_stages_what_the_python_methods_stage(ops: list[tuple[Any, ...
             with _python_forms():
                 got[1] += readers[1].read().records.tolist()
             assert got[0] == got[1]
-        sc, sp = c.stats(), py.stats()
-        for key in ("staged", "last_seq", "dropped", "flushes", "problems"):
-            assert sc[key] == sp[key]
-        assert c._resident is not None and py._resident is not None
-        with _python_forms():
-            py_resident = py._resident.as_dict()
-        assert c._resident.as_dict() == py_resident
+        assert_same_end(c, py)
     finally:
-        for r in readers:
-            r.close()
-        for h, name in ((c, names[0]), (py, names[1])):
-            h.close()
-            unlink(name)
+        close_pair(readers, (c, py), names)
 
 
 def test_c_staging_is_bound_and_stages_the_common_calls_itself(ring_name: str) -> None:
