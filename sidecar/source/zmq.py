@@ -654,6 +654,12 @@ class Stream:
             return
         if r.next >= 0:
             self.expected = r.next
+        if self.tail_check_s and r.replies and not r.why.startswith("tail"):
+            # What the engine published after serving it comes live only, and may go by
+            # unseen (a SUB still reconnecting after an engine restart: chaos seed 8048); with
+            # no later batch, only a tail check shows it. A tail check's own end does not
+            # arm one (once per quiet spell); a held batch applied next re-arms it anyway.
+            self.live_at = self.clock()
         self._drain_held(r)
 
     def _drain_held(self, r: _Replay, applied: bool = True) -> None:
