@@ -141,6 +141,7 @@ class Stream:
         # replay from the last applied seq (its proof, and whatever followed) tells.
         self.tail_check_s = tail_check_s
         self.live_at: float | None = None  # last live batch, while no tail check covers it
+        self.tail_misses = 0  # tail checks unanswered since the last live batch
         self.expected: int | None = None  # next seq to apply (None: take the next one seen)
         self.last_seq = -1
         self.last_payload: bytes | None = None
@@ -202,6 +203,7 @@ class Stream:
     def on_live(self, seq: int, payload: bytes, pre: Decoded | None = None) -> None:
         if self.tail_check_s:
             self.live_at = self.clock()
+            self.tail_misses = 0
         r = self.replay
         if r is not None:
             if len(r.live) >= MAX_HELD_LIVE:
@@ -355,7 +357,12 @@ class Stream:
         why = f"no replay from {r.start} within {self.replay_timeout_s}s"
         if r.why == "tail" and not r.replies:
             # A tail check unanswered (the engine stopped or went away after its burst): it
-            # proved nothing and changed nothing; the stream goes on where it was.
+            # proved nothing and changed nothing; the stream goes on where it was. It is asked
+            # again, with backoff: a killed engine back as a new life that published only
+            # while the SUB reconnected, then idled, shows no live batch (chaos seed 3).
+            self.tail_misses += 1
+            wait = self.tail_check_s * 2 ** min(self.tail_misses, 20)
+            self.live_at = self.clock() + min(wait, self.replay_retry_cap_s) - self.tail_check_s
             self.replay = None
             self._drain_held(r, applied=False)
             return True
