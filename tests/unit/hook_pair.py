@@ -27,6 +27,15 @@ def python_forms() -> Iterator[None]:
         compiled.accel = built
 
 
+def stop_flusher(h: Hook) -> None:
+    """Stop the hook's flusher thread: from here on only the test's calls stage and publish."""
+    assert h._thread is not None and h._bell is not None
+    h._stopping = True
+    h._bell.post()
+    h._thread.join(5)
+    assert not h._thread.is_alive()
+
+
 def assert_same_end(c: Hook, py: Hook) -> None:
     """Both hooks counted the same and hold the same resident set."""
     sc, sp = c.stats(), py.stats()

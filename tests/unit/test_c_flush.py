@@ -25,7 +25,7 @@ from sidecar.shm_ring import compiled
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.doorbell import Listener
 from sidecar.shm_ring.reader import RingReader
-from tests.unit.hook_pair import assert_same_end, close_pair, python_forms
+from tests.unit.hook_pair import assert_same_end, close_pair, python_forms, stop_flusher
 
 accel = compiled.accel
 pytestmark = pytest.mark.skipif(
@@ -43,11 +43,7 @@ def _quiet_hook(name: str, capacity: int, fold_at: int) -> Hook:
         strict=True, env={}, instance_id="inst", ring_name=name, ring_capacity_slots=capacity
     )
     assert isinstance(h, Hook)
-    assert h._thread is not None and h._bell is not None
-    h._stopping = True
-    h._bell.post()
-    h._thread.join(5)
-    assert not h._thread.is_alive()
+    stop_flusher(h)
     assert h._resident is not None
     h._resident.fold_at = fold_at
     h._set_resident(h._resident)

@@ -29,7 +29,7 @@ from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.reader import RingReader
 from sidecar.shm_ring.segment import Segment
 from sidecar.shm_ring.writer import WORDS_MAX
-from tests.unit.hook_pair import assert_same_end, close_pair, python_forms
+from tests.unit.hook_pair import assert_same_end, close_pair, python_forms, stop_flusher
 
 accel = compiled.accel
 pytestmark = pytest.mark.skipif(
@@ -68,11 +68,8 @@ def _quiet_hook(name: str, capacity: int = 1 << 12) -> Hook:
         mediums=("hbm", "mem"),
     )
     assert isinstance(h, Hook)
-    assert h._thread is not None and h._bell is not None
-    h._stopping = True
-    h._bell.post()
-    h._thread.join(5)
-    assert not h._thread.is_alive()
+    stop_flusher(h)
+    assert h._bell is not None
     h._bell.close()
     h._bell = _Bell()  # type: ignore[assignment]
     h._arm()

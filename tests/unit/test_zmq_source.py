@@ -940,10 +940,9 @@ def test_zmq_stream_an_engine_back_but_idle_is_recovered_by_a_timed_attempt() ->
     assert published(s) == {10 + k for k in range(8)} and pending(s) is None
 
 
-def test_zmq_stream_a_tail_check_that_finds_the_last_batch_gone_is_an_engine_restart() -> None:
-    """Found by the chaos run (seed 3101): the engine restarted, and its few first batches were
-    lost while the SUB reconnected; the tail check found the last applied batch gone from the
-    buffer and forgot, but nothing asked for the new life, whose keys KVCM never got."""
+def _tail_check_finds_a_new_life() -> tuple[Stream, list[float]]:
+    """A stream whose tail check found its last applied batch gone: forgotten, asking for the
+    new life from 0."""
     now = [0.0]
     s, _p = _tail_stream(now)
     now[0] = 1.0
@@ -951,6 +950,14 @@ def test_zmq_stream_a_tail_check_that_finds_the_last_batch_gone_is_an_engine_res
     assert s.want_replay == 4
     s.on_replay_end()  # the new life's buffer holds nothing from seq 4 on
     assert s.forgets == {"engine_restart": 1} and s.want_replay == 0  # its life from 0
+    return s, now
+
+
+def test_zmq_stream_a_tail_check_that_finds_the_last_batch_gone_is_an_engine_restart() -> None:
+    """Found by the chaos run (seed 3101): the engine restarted, and its few first batches were
+    lost while the SUB reconnected; the tail check found the last applied batch gone from the
+    buffer and forgot, but nothing asked for the new life, whose keys KVCM never got."""
+    s, _now = _tail_check_finds_a_new_life()
     for seq, k in enumerate((90, 91)):
         s.on_replayed(seq, payload([stored(k)]))
     s.on_replay_end()
@@ -963,13 +970,7 @@ def test_zmq_stream_batches_published_after_the_restart_replay_and_never_seen_li
     batches the engine published after serving it went by before the SUB had reconnected; the
     engine then idled. Nothing live ever arrived, so no gap and no tail check showed them:
     KVCM kept the state as of the replay for good (2 keys missing, 4 extra)."""
-    now = [0.0]
-    s, _p = _tail_stream(now)
-    now[0] = 1.0
-    s.tick()
-    assert s.want_replay == 4
-    s.on_replay_end()  # the new life's buffer holds nothing from seq 4 on
-    assert s.forgets == {"engine_restart": 1} and s.want_replay == 0
+    s, now = _tail_check_finds_a_new_life()
     q = [payload([stored(90)]), payload([stored(91)]), payload([removed(90), stored(92)])]
     for seq in range(2):  # the engine served the replay after its first two batches
         s.on_replayed(seq, q[seq])
