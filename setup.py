@@ -1,5 +1,6 @@
 """The one compiled part: sidecar/shm_ring/_accel.c (KeyIndex's probe loop, the resident fold),
-with _rekey.c (the rolling key table, issue #22) compiled into the same module.
+with _rekey.c (the rolling key table, issue #22) and _wire.c (a delta request's body) compiled
+into the same module.
 
 Everything else is in pyproject.toml. `optional=True`: without a C compiler or Python's headers
 the install still succeeds and the numpy probes in key_index.py / resident.py run instead
@@ -12,7 +13,11 @@ setup(
     ext_modules=[
         Extension(
             "sidecar.shm_ring._accel",
-            ["sidecar/shm_ring/_accel.c", "sidecar/shm_ring/_rekey.c"],
+            [
+                "sidecar/shm_ring/_accel.c",
+                "sidecar/shm_ring/_rekey.c",
+                "sidecar/shm_ring/_wire.c",
+            ],
             depends=["sidecar/shm_ring/rolling.h"],
             optional=True,
         ),

@@ -2,8 +2,9 @@
 
 Answers every HTTP/1.1 POST with a fixed OK reportEvent response once the body (Content-Length)
 has arrived, in its own process (getClusterInfo: itself as the leader, so leader discovery
-settles in one round, as against a real KVCM). It is a bare asyncio protocol, so the figures measure the
-sidecar's pipeline rather than a web framework on the other end of the socket. Prints its URL.
+settles in one round, as against a real KVCM). It is a bare asyncio protocol, so the figures
+measure the sidecar's pipeline rather than a web framework on the other end of the socket.
+Prints its URL.
 
 With `--record` it also notes when each block key first arrived (one regex over each body) and
 serves (and forgets) them on `GET /debug/arrivals` in the stand-in's format (`GET
@@ -113,10 +114,12 @@ async def main() -> None:
     loop = asyncio.get_running_loop()
     server = await loop.create_server(NullHttp, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    global CLUSTER_INFO  # noqa: PLW0603 - set once, before the first request
+    global CLUSTER_INFO  # set once, before the first request
     ep = {"node_id": "null", "host": "127.0.0.1", "meta_rpc_port": 0, "meta_http_port": port}
     info = {"header": {"status": {"code": "OK"}}, "self_node_id": "null"}
-    CLUSTER_INFO = _response(json.dumps({**info, "leader_node_id": "null", "leader_endpoint": ep}).encode())
+    CLUSTER_INFO = _response(
+        json.dumps({**info, "leader_node_id": "null", "leader_endpoint": ep}).encode()
+    )
     sys.stdout.write(f"null server listening on http://127.0.0.1:{port}\n")
     sys.stdout.flush()
     await asyncio.Event().wait()  # until terminated

@@ -48,6 +48,21 @@ class _Stop(Exception):
     """Raised inside the TaskGroup to end it when the stop event is set."""
 
 
+class Work(asyncio.Event):
+    """The report loop's signal (a source read changed keys, the engine watch, a leader
+    change); each set also calls `also` (the client's poke: a held answer is read while the
+    loop is awake anyway, kvcm_client/transport.py Hold)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.also: Callable[[], None] | None = None
+
+    def set(self) -> None:
+        super().set()
+        if self.also is not None:
+            self.also()
+
+
 def ring_name(cfg: Config) -> str:
     return cfg.ring.name or L.segment_name(cfg.identity.instance_id, cfg.identity.dp_rank)
 
@@ -84,7 +99,7 @@ class Daemon:
         self.stop = stop
         self.sleep = sleep
         self.clock = clock
-        self.work = asyncio.Event()
+        self.work = Work()
         self.metrics = Metrics()
         self.publisher: Publisher | None = None
         self.discovery: Discovery | None = None
@@ -166,7 +181,14 @@ class Daemon:
         timeout = aiohttp.ClientTimeout(total=None, connect=cfg.manager.request_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             seeds = cfg.manager.seeds
-            client = KvcmClient(session, seeds[0], cfg.manager.max_response_bytes, lean_http=True)
+            client = KvcmClient(
+                session,
+                seeds[0],
+                cfg.manager.max_response_bytes,
+                lean_http=True,
+                hold_s=cfg.report.response_hold_s,
+            )
+            self.work.also = client.poke  # a held answer is read at the next work signal
             disc = Discovery(
                 seeds,
                 session,

@@ -65,6 +65,10 @@ class Backoff:
         self.attempt = 0
 
 
+# What a request's outcome may set; while the engine is down, ENGINE_DOWN stands instead.
+_LIVE = frozenset({State.READY, State.DEGRADED, State.RESYNCING, State.REGISTERING})
+
+
 class Publisher:
     def __init__(
         self,
@@ -107,10 +111,16 @@ class Publisher:
         self.leader_changes = 0  # KVCM leader switches (a snapshot in flight across one: redone)
         self.state_changes: Counter[str] = Counter()
         self._n = 0
+        self._trace_key: tuple[int, int] | None = None
+        self._trace_head = ""
         self._spec_cache: tuple[Identity, list[W.Spec]] | None = None
 
     # ---- small helpers -------------------------------------------------------------------
     def set_state(self, state: State, reason: str) -> None:
+        if self.engine_down and state in _LIVE:
+            # A request that ends after the engine was found down (a held delta's answer, read
+            # when the watch's signal pokes it) must not show the reporter live again.
+            return
         if state != self.state or reason != self.reason:
             if state != self.state:
                 self.state_changes[state.name] += 1
@@ -119,10 +129,13 @@ class Publisher:
 
     def trace_id(self, op: str) -> str:
         self._n += 1
-        return (
-            f"kvcm-sidecar-{self.cfg.identity.dp_rank}-{self.epoch:08x}-"
-            f"{self.source.incarnation:016x}-{op}-{self._n}"
-        )
+        key = (self.epoch, self.source.incarnation)
+        if key != self._trace_key:  # the head is formatted once per epoch and engine life
+            self._trace_key = key
+            self._trace_head = (
+                f"kvcm-sidecar-{self.cfg.identity.dp_rank}-{key[0]:08x}-{key[1]:016x}-"
+            )
+        return f"{self._trace_head}{op}-{self._n}"
 
     def system_status(self) -> dict[str, str]:
         return {
@@ -146,9 +159,15 @@ class Publisher:
         return W.encode(W.ReportEventRequest(*self._reporter(op), events))
 
     async def _send(
-        self, route: str, op: str, payload: bytes | memoryview, timeout_s: float
+        self,
+        route: str,
+        op: str,
+        payload: bytes | memoryview,
+        timeout_s: float,
+        *,
+        hold: bool = False,
     ) -> Result:
-        result = await self.client.post(route, payload, timeout_s)
+        result = await self.client.post(route, payload, timeout_s, hold=hold)
         self.counters[f"{op}:{result.reason}"] += 1
         if self.on_request is not None:
             self.on_request(op, result)
@@ -375,17 +394,31 @@ class Publisher:
         batch = self.keys.take_batch(self.cfg.report.batch_max_keys)
         if not len(batch):
             return
-        payload = W.encode_deltas(
-            *self._reporter("delta"),
-            batch.adds,  # adds first, then deletes: item_results indexes map back to batch
-            batch.deletes,
-            d.mediums,
-            self._specs(),
-            batch.add_mediums,
-            batch.delete_mediums,
-        )
+        # Adds first, then deletes (the batch's own order): item_results indexes map back to it.
+        payload: bytes | memoryview
+        if batch.medium >= 0:  # one medium (the common case): one C call, no selections
+            m = batch.medium
+            payload = W.encode_batch(
+                *self._reporter("delta"), batch.keys, batch.publish, d.mediums[m], self._specs()[m]
+            )
+        else:
+            payload = W.encode_deltas(
+                *self._reporter("delta"),
+                batch.adds,
+                batch.deletes,
+                d.mediums,
+                self._specs(),
+                batch.add_mediums,
+                batch.delete_mediums,
+            )
+        # Held (kvcm_client/transport.py Hold): its answer is read at the next window's wake-up,
+        # not at a wake-up of its own; never while shutting down (the flush must end).
         result = await self._send(
-            "reportEvent", "delta", payload, self.cfg.manager.request_timeout_s
+            "reportEvent",
+            "delta",
+            payload,
+            self.cfg.manager.request_timeout_s,
+            hold=not self.stopping,
         )
         if result.ok:
             self._ok(result)

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from sidecar.kvcm_client.transport import ConnectFailed, Http1
+from sidecar.kvcm_client.transport import ConnectFailed, Hold, Http1
 from sidecar.kvcm_client.transport import supported as lean_supported
 from sidecar.kvcm_client.wire import Response, decode_response
 
@@ -105,6 +105,7 @@ class Result:
     failed_items: list[int] = field(default_factory=list)  # indexes, in order
     retry_after_s: float = 0.0
     latency_s: float = 0.0
+    held_s: float = 0.0  # the answer sat unread this long, at most (transport.Hold)
     endpoint: str = ""  # the base URL it was sent to (leader discovery: the client may move)
 
     @property
@@ -165,6 +166,7 @@ class KvcmClient:
         max_response_bytes: int,
         *,
         lean_http: bool = False,
+        hold_s: float = 0.0,
     ):
         self.session = session
         self.base = endpoint.rstrip("/")
@@ -174,6 +176,8 @@ class KvcmClient:
         # old one must not carry another request
         self.lean_http = lean_http
         self._lean: dict[str, Http1] = {}
+        # Held answers (post(hold=True), lean client only): read at the next poke() or hold_s
+        self.hold = Hold(hold_s) if lean_http and hold_s > 0 else None
 
     def _lean_for(self, base: str) -> Http1 | None:
         if not self.lean_http:
@@ -193,23 +197,35 @@ class KvcmClient:
             h.close()
         self._lean = {}
 
-    async def post(self, route: str, payload: bytes | memoryview, timeout_s: float) -> Result:
+    def poke(self) -> None:
+        """Read a held answer now (the loop is awake anyway)."""
+        if self.hold is not None:
+            self.hold.poke()
+
+    async def post(
+        self, route: str, payload: bytes | memoryview, timeout_s: float, *, hold: bool = False
+    ) -> Result:
+        """`hold`: the answer may be read late (transport.Hold); its latency_s then leaves the
+        hold out and held_s says how long it was (the answer came somewhere in it)."""
         base = self.base  # Discovery may move `base` while this is in flight
-        result = await self._post(base, route, payload, timeout_s)
+        result = await self._post(base, route, payload, timeout_s, hold)
         result.endpoint = base
         return result
 
     async def _post(
-        self, base: str, route: str, payload: bytes | memoryview, timeout_s: float
+        self, base: str, route: str, payload: bytes | memoryview, timeout_s: float, hold: bool
     ) -> Result:
         """One POST over the lean client (plain http://) or aiohttp; every failure a Result."""
         t0 = time.perf_counter()
         lean = self._lean_for(base)
+        held = self.hold if hold and lean is not None else None
+        if held is not None:
+            held.last_s = 0.0
         try:
             async with asyncio.timeout(timeout_s):
                 if lean is not None:
                     path = f"/api/{route}"
-                    status, body = await lean.post(path, payload, self.max_response_bytes)
+                    status, body = await lean.post(path, payload, self.max_response_bytes, held)
                 else:
                     async with self.session.post(
                         f"{base}/api/{route}",
@@ -224,12 +240,14 @@ class KvcmClient:
             return _failed("connect", str(exc)[:200], t0)
         except (aiohttp.ClientError, OSError) as exc:
             return _failed("transport", repr(exc)[:200], t0)
+        held_s = held.last_s if held is not None else 0.0
+        latency_s = time.perf_counter() - t0 - held_s
         if status // 100 != 2:
             action, reason = classify_http(status)
             message = body[:200].decode(errors="replace")
-            return Result(action, reason, message, latency_s=time.perf_counter() - t0)
+            return Result(action, reason, message, latency_s=latency_s, held_s=held_s)
         result = interpret(body, route, self.max_response_bytes)
-        result.latency_s = time.perf_counter() - t0
+        result.latency_s, result.held_s = latency_s, held_s
         return result
 
 

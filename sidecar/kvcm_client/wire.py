@@ -10,6 +10,7 @@ fields ignored. `docs/wire.md` documents both.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -141,8 +142,9 @@ class Header(msgspec.Struct):
     request_id: str = ""
 
 
-class Response(msgspec.Struct, rename="camel"):
-    """Field names are matched in camelCase here; `decode_response` accepts either spelling."""
+class Response(msgspec.Struct):
+    """Field names as KVCM's server writes them (snake_case); `decode_response` also reads
+    camelCase."""
 
     header: Header = msgspec.field(default_factory=Header)
     item_results: list[str | int] = msgspec.field(default_factory=list)
@@ -161,16 +163,47 @@ def encode(obj: Any) -> bytes:
     return _encoder.encode(obj)
 
 
+def _field_of(f: msgspec.structs.FieldInfo) -> Any:
+    if f.default_factory is not msgspec.NODEFAULT:
+        return msgspec.field(default_factory=f.default_factory)
+    return f.default
+
+
+# Response's fields under their camelCase names (decode_response's dict path); a subclass with
+# rename= would keep the parent's names.
+_CamelResponse = msgspec.defstruct(
+    "_CamelResponse",
+    [(f.name, f.type, _field_of(f)) for f in msgspec.structs.fields(Response)],
+    rename="camel",
+)
+
+
+_typed_decoder = msgspec.json.Decoder(Response, strict=False)
+# A name with a capital in it (maybe camelCase): a quoted run with one, then a colon.
+_CAPITAL_NAME = re.compile(rb'"[^"]*[A-Z][^"]*"\s*:')
+
+
 def _camel(name: str) -> str:
     head, *rest = name.split("_")
     return head + "".join(p.title() for p in rest)
 
 
 def decode_response(body: bytes) -> Response:
-    """Decode a KVCM response written with snake_case (the server's) or camelCase names."""
+    """Decode a KVCM response written with snake_case (the server's) or camelCase names.
+
+    A body with nothing that looks camelCase is decoded straight into the Struct (one C call:
+    a request's answer is read on every flush window); otherwise through a dict whose
+    top-level names are put in snake_case first."""
+    if _CAPITAL_NAME.search(body) is None:
+        return _typed_decoder.decode(body)
+    return _via_dict(body)
+
+
+def _via_dict(body: bytes) -> Response:
     raw = _snake_decoder.decode(body)
     norm = {(_camel(k) if "_" in k else k): v for k, v in raw.items()}
-    return msgspec.convert(norm, Response, strict=False)
+    c = msgspec.convert(norm, _CamelResponse, strict=False)
+    return Response(**msgspec.structs.asdict(c))
 
 
 # ---- fast paths for large requests --------------------------------------------------------
@@ -345,6 +378,48 @@ def encode_deltas(
     parts = _runs(_add_rows, adds, medium, spec, add_mediums)
     parts += _runs(_delete_rows, deletes, medium, spec, delete_mediums)
     return _body(head, parts, b"]}")
+
+
+def encode_batch(
+    trace_id: str,
+    instance_id: str,
+    host_ip_port: str,
+    storage_type: str,
+    keys: np.ndarray,
+    publish: np.ndarray,
+    medium: str,
+    spec: Spec,
+) -> bytes | memoryview:
+    """encode_deltas of one medium's keys: a BLOCK_ADD for each key whose `publish` is set,
+    then a BLOCK_DELETE for each other, each in the given order (so for a batch already
+    ordered adds first, item_results indexes are the batch's). One C call (_wire.c) when the
+    extension has it, else encode_deltas itself."""
+    c = compiled.accel
+    body = getattr(c, "delta_body", None) if c is not None else None  # None: a stale build
+    if body is None:
+        return encode_deltas(
+            trace_id,
+            instance_id,
+            host_ip_port,
+            storage_type,
+            keys[publish],
+            keys[~publish],
+            medium,
+            spec,
+        )
+    add, delete = _delta_rows(medium, spec.name, spec.uri)
+    head = _envelope_head(trace_id, instance_id, host_ip_port, storage_type)
+    out: bytes = body(
+        head,
+        add.row,
+        add.key_col,
+        delete.row,
+        delete.key_col,
+        np.ascontiguousarray(keys, np.int64),
+        np.ascontiguousarray(publish, np.bool_),
+        b"]}",
+    )
+    return out
 
 
 def encode_snapshot(

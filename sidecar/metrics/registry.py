@@ -39,7 +39,15 @@ METRICS: dict[str, tuple[str, str]] = {
     "kvcm_sidecar_keys_acked": ("gauge", "Keys KVCM has confirmed."),
     "kvcm_sidecar_keys_dirty": ("gauge", "Keys whose KVCM state may differ from the engine's."),
     "kvcm_sidecar_requests": ("counter", "KVCM requests by operation and outcome."),
-    "kvcm_sidecar_request_duration_seconds": ("histogram", "KVCM request latency by operation."),
+    "kvcm_sidecar_request_duration_seconds": (
+        "histogram",
+        "KVCM request latency by operation, of answers read as they came (a held answer's is"
+        " not known: it came sometime in the hold).",
+    ),
+    "kvcm_sidecar_held_answers": (
+        "counter",
+        "Answers left unread until the next wake-up (report.response_hold_s), by operation.",
+    ),
     "kvcm_sidecar_retries": ("counter", "Backed-off retries, by operation."),
     "kvcm_sidecar_circuit_open": ("counter", "Circuit-open events, by reason."),
     "kvcm_sidecar_heartbeat_failures": ("gauge", "Consecutive heartbeat failures."),
@@ -161,7 +169,7 @@ OUTCOMES = ("ok", "retry", "resnapshot", "reregister", "circuit_open")
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self._children: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
         self.requests = Counter(
             "kvcm_sidecar_requests",
             METRICS["kvcm_sidecar_requests"][1],
@@ -191,6 +199,12 @@ class Metrics:
             ),
             registry=self.registry,
         )
+        self.held = Counter(
+            "kvcm_sidecar_held_answers",
+            METRICS["kvcm_sidecar_held_answers"][1],
+            ["op"],
+            registry=self.registry,
+        )
 
     def observe(self, op: str, result: Result) -> None:
         # The children, looked up once per label set (labels() takes a lock and builds a key
@@ -201,9 +215,13 @@ class Metrics:
             child = self._children[(op, outcome)] = (
                 self.requests.labels(op, outcome),
                 self.latency.labels(op),
+                self.held.labels(op),
             )
         child[0].inc()
-        child[1].observe(result.latency_s)
+        if result.held_s > 0:
+            child[2].inc()
+        else:
+            child[1].observe(result.latency_s)
 
     def attach(self, publisher: Publisher) -> None:
         self.registry.register(_PublisherCollector(publisher))

@@ -18,6 +18,17 @@ def fold_apply(
     pos: Any, metas: Any, masks: Any, required: int, out: Any, /
 ) -> tuple[int, int] | None: ...
 def digits(buf: Any, at: int, width: int, col: int, keys: Any, /) -> None: ...
+def delta_body(
+    prefix: bytes,
+    add_row: Any,
+    add_col: int,
+    del_row: Any,
+    del_col: int,
+    keys: Any,
+    publish: Any,
+    suffix: bytes,
+    /,
+) -> bytes: ...
 def put_runs(
     runs: list[Any],
     words: Any,

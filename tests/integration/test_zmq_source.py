@@ -196,8 +196,9 @@ async def test_zmq_source_engine_restart_with_seq_reset_forgets(z: ZmqHarness) -
     pub.call("restart")  # seq back to 0, empty cache, empty replay buffer
     z.workload(500, seed=3)
     await z.converge()
-    st = await z.settle(lambda s: _forgets(s).get("engine_restart", 0) >= 1)
-    assert st["state"] in ("READY", "RESYNCING")
+    # The forget's snapshot may come within the stand-in's snapshot_min_interval_ms of the
+    # first one: rate limited (DEGRADED), it is sent again after retry_after. It ends READY.
+    await z.settle(lambda s: _forgets(s).get("engine_restart", 0) >= 1 and s["state"] == "READY")
 
 
 async def test_zmq_source_all_blocks_cleared_forgets(z: ZmqHarness) -> None:

@@ -80,6 +80,7 @@ BAD = [
     ({"KV_CACHE_EVENT_REPORT_FLUSH_WINDOW_S": "-1"}, "report.flush_window_s"),
     ({"KV_CACHE_EVENT_MANAGER_REQUEST_TIMEOUT_S": "soon"}, "manager.request_timeout_s"),
     ({"KV_CACHE_EVENT_REPORT_BATCH_MAX_KEYS": "0"}, "report.batch_max_keys"),
+    ({"KV_CACHE_EVENT_REPORT_RESPONSE_HOLD_S": "1.5"}, "report.response_hold_s"),
     ({"KV_CACHE_EVENT_METRICS_ADDR": "nowhere"}, "http.metrics_addr"),
     ({"KV_CACHE_EVENT_HOST_IP_PORT": "a#b:1"}, "identity.host_ip_port"),
     ({"KV_CACHE_EVENT_SOURCE": "kafka"}, "source.kind"),

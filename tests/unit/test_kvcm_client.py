@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.kvcm_client.client import CODE_NAMES, Action, KvcmClient, classify_code
-from sidecar.kvcm_client.transport import Http1
+from sidecar.kvcm_client.transport import Hold, Http1
 from sidecar.publisher import Backoff
 
 SCRIPT: dict[str, tuple[int, bytes, float]] = {}
@@ -308,3 +308,106 @@ async def test_client_lean_timeout_against_a_peer_that_stops_reading_frees_the_c
     _Deaf.accepted.clear()
     server.close()
     await server.wait_closed()
+
+
+class _Prompt(asyncio.Protocol):
+    """A manager that answers each request at once and says when its answer is written."""
+
+    BODY = b'{"header":{"status":{"code":"OK"}}}'
+    ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
+
+    def __init__(self, wrote: asyncio.Event) -> None:
+        self.wrote = wrote
+        self.buf = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        head, sep, body = self.buf.partition(b"\r\n\r\n")
+        if sep and len(body) >= int(head.lower().split(b"content-length: ")[1].split(b"\r")[0]):
+            self.buf = b""
+            self.transport.write(self.ANSWER)
+            self.wrote.set()
+
+
+async def _prompt_server() -> tuple[asyncio.Server, str, asyncio.Event]:
+    wrote = asyncio.Event()
+    server = await asyncio.get_running_loop().create_server(lambda: _Prompt(wrote), "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", wrote
+
+
+async def test_lean_held_answer_is_read_at_the_poke_not_when_it_comes() -> None:
+    """A held request's answer, already on the socket, stays unread (its arrival does not
+    wake the process) until the hold is poked; then it is read whole, and the connection
+    serves the next request."""
+    server, url, wrote = await _prompt_server()
+    lean, hold = Http1(url), Hold(60.0)
+    try:
+        task = asyncio.create_task(lean.post("/api/reportEvent", b"{}", 4096, hold))
+        await asyncio.wait_for(wrote.wait(), 10)
+        for _ in range(50):  # turns of the loop in which an unpaused answer would be read
+            await asyncio.sleep(0)
+        assert not task.done() and hold.held == 1 and hold.poked == 0
+        assert hold.conn is not None and not hold.conn.buf  # still in the socket: unread
+        hold.poke()
+        assert await asyncio.wait_for(task, 10) == (200, _Prompt.BODY)
+        assert hold.poked == 1 and hold.last_s > 0
+        wrote.clear()
+        got = await asyncio.wait_for(lean.post("/api/reportEvent", b"{}", 4096), 10)
+        assert got == (200, _Prompt.BODY)
+        assert len(lean._idle) == 1  # one connection, kept alive throughout
+    finally:
+        lean.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_lean_held_answer_is_read_after_hold_s_without_a_poke() -> None:
+    server, url, _wrote = await _prompt_server()
+    lean, hold = Http1(url), Hold(0.02)
+    try:
+        got = await asyncio.wait_for(lean.post("/api/reportEvent", b"{}", 4096, hold), 10)
+        assert got == (200, _Prompt.BODY) and hold.held == 1 and hold.poked == 0
+    finally:
+        lean.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_client_held_post_reports_the_hold_apart_from_latency() -> None:
+    """KvcmClient.post(hold=True): the Result says how long the answer sat unread (held_s);
+    the request latency histogram leaves it out and counts it as held."""
+    from sidecar.metrics.registry import Metrics
+
+    server, url, _wrote = await _prompt_server()
+    async with aiohttp.ClientSession() as session:
+        c = KvcmClient(session, url, max_response_bytes=4096, lean_http=True, hold_s=0.02)
+        try:
+            held = await c.post("reportEvent", b"{}", 10.0, hold=True)
+            plain = await c.post("reportEvent", b"{}", 10.0)
+        finally:
+            c.close()
+            server.close()
+            await server.wait_closed()
+    assert held.ok and plain.ok
+    assert held.held_s > 0 and plain.held_s == 0
+    m = Metrics()
+    m.observe("delta", held)
+    m.observe("delta", plain)
+    reg = m.registry
+    assert reg.get_sample_value("kvcm_sidecar_held_answers_total", {"op": "delta"}) == 1
+    count = reg.get_sample_value("kvcm_sidecar_request_duration_seconds_count", {"op": "delta"})
+    assert count == 1
+
+
+async def test_daemon_work_signal_pokes_a_held_answer() -> None:
+    from sidecar.daemon import Work
+
+    w, calls = Work(), []
+    w.set()  # nothing attached yet
+    w.also = lambda: calls.append(1)
+    w.set()
+    assert w.is_set() and calls == [1]

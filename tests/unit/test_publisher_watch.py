@@ -79,3 +79,22 @@ async def test_watch_clean_close_is_engine_down_at_once(
     RingWriter(Segment(ring_name))
     p.watch_step()
     assert not down(p)
+
+
+async def test_a_request_ending_after_the_engine_went_down_keeps_engine_down(
+    engine: tuple[RingWriter, Publisher],
+) -> None:
+    """A delta in flight (its answer held, read when the watch's signal pokes it) that ends
+    after the engine was found down must not show the reporter READY again: ENGINE_DOWN
+    stands until the engine is back (HOST_DOWN has hidden its keys)."""
+    writer, p = engine
+    p.registered = True
+    p.set_state(State.READY, "in sync")
+    writer.close()
+    p.watch_step()
+    assert down(p) and p.state == State.ENGINE_DOWN
+    for state in (State.READY, State.DEGRADED, State.RESYNCING, State.REGISTERING):
+        p.set_state(state, "a request that was in flight ended")
+        assert p.state == State.ENGINE_DOWN
+    p.set_state(State.STOPPED, "shut down")
+    assert p.state == State.STOPPED

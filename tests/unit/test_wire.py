@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.kvcm_client import wire as W
+from sidecar.shm_ring import compiled
 
 # Over the C digit writer (_accel.digits) and its numpy form (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("accel_backend")
@@ -134,3 +135,66 @@ def test_encode_deltas_writes_extreme_keys_as_their_unsigned_20_digits() -> None
     body = W.encode_deltas("t", "i", "h:1", "vineyard", keys, [], "hbm", SPEC)
     _decoded, texts = _canonical(body)
     assert texts == [f"{k % U64:020d}" for k in keys]
+
+
+_CODE = st.one_of(st.sampled_from(["OK", "INTERNAL_ERROR", "UNSPECIFIED"]), st.integers(0, 9))
+_ANSWER = st.fixed_dictionaries(
+    {},
+    optional={
+        "header": st.fixed_dictionaries(
+            {},
+            optional={
+                "status": st.fixed_dictionaries(
+                    {}, optional={"code": _CODE, "message": st.text(max_size=8)}
+                ),
+                "request_id": st.text(max_size=8),
+            },
+        ),
+        "item_results": st.lists(_CODE, max_size=4),
+        "committed_snapshot_version": st.text("0123456789abcdef", max_size=32),
+        "retry_after_ms": st.one_of(
+            st.integers(0, 10**6), st.from_regex(r"\d{1,6}", fullmatch=True)
+        ),
+        "snapshot_required": st.booleans(),
+        "extra_info": st.text(max_size=8),
+        "unknown_field": st.dictionaries(st.text("abc", max_size=3), st.integers(), max_size=2),
+    },
+)
+
+
+@given(_ANSWER, st.booleans())
+def test_decode_response_struct_path_matches_the_dict_path(
+    answer: dict[str, Any], camel: bool
+) -> None:
+    """A body in snake_case names is decoded straight into the Struct; in camelCase through a
+    dict: both read the same answer, and the direct path equals the dict path on any body."""
+    names = {k: (W._camel(k) if camel else k) for k in answer}
+    body = msgspec.json.encode({names[k]: v for k, v in answer.items()})
+    got = W.decode_response(body)
+    assert got == W._via_dict(body)
+    assert got == W._via_dict(msgspec.json.encode(answer))
+
+
+@given(
+    st.lists(st.tuples(st.integers(-(1 << 63), (1 << 63) - 1), st.booleans()), max_size=40),
+    st.sampled_from(["hbm", "mem"]),
+)
+def test_encode_batch_is_encode_deltas_of_its_adds_then_deletes(
+    items: list[tuple[int, bool]], medium: str
+) -> None:
+    """The one-call body (_wire.c) is byte for byte encode_deltas(adds, deletes) of the same
+    keys, adds first, each in the given order; so is its fallback without the extension."""
+    keys = np.array([k for k, _ in items], np.int64)
+    pub = np.array([p for _, p in items], np.bool_)
+    spec = W.Spec("tp0", f"local://h/{medium}?blocks=4096")
+    who = ('trace-\u00e9"1', "inst", "127.0.0.1:1", "vllm")
+    want = bytes(W.encode_deltas(*who, keys[pub], keys[~pub], medium, spec))
+    got = W.encode_batch(*who, keys, pub, medium, spec)
+    assert bytes(got) == want
+    assert isinstance(got, bytes) == (getattr(compiled.accel, "delta_body", None) is not None)
+    saved = compiled.accel
+    try:
+        compiled.accel = None
+        assert bytes(W.encode_batch(*who, keys, pub, medium, spec)) == want
+    finally:
+        compiled.accel = saved
