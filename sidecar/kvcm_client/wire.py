@@ -10,7 +10,6 @@ fields ignored. `docs/wire.md` documents both.
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -142,9 +141,9 @@ class Header(msgspec.Struct):
     request_id: str = ""
 
 
-class Response(msgspec.Struct):
+class Response(msgspec.Struct, forbid_unknown_fields=True):
     """Field names as KVCM's server writes them (snake_case); `decode_response` also reads
-    camelCase."""
+    camelCase and ignores names it does not know (unknown here: they take its dict path)."""
 
     header: Header = msgspec.field(default_factory=Header)
     item_results: list[str | int] = msgspec.field(default_factory=list)
@@ -179,8 +178,6 @@ _CamelResponse = msgspec.defstruct(
 
 
 _typed_decoder = msgspec.json.Decoder(Response, strict=False)
-# A name with a capital in it (maybe camelCase): a quoted run with one, then a colon.
-_CAPITAL_NAME = re.compile(rb'"[^"]*[A-Z][^"]*"\s*:')
 
 
 def _camel(name: str) -> str:
@@ -191,12 +188,15 @@ def _camel(name: str) -> str:
 def decode_response(body: bytes) -> Response:
     """Decode a KVCM response written with snake_case (the server's) or camelCase names.
 
-    A body with nothing that looks camelCase is decoded straight into the Struct (one C call:
-    a request's answer is read on every flush window); otherwise through a dict whose
-    top-level names are put in snake_case first."""
-    if _CAPITAL_NAME.search(body) is None:
-        return _typed_decoder.decode(body)
-    return _via_dict(body)
+    A body whose top-level names are all Response's own is decoded straight into the Struct
+    (one C call: an answer is read on every flush window); any other name (camelCase, or one
+    this client does not know) fails that decode, and the body goes through a dict whose names
+    are put in camelCase first, as ever."""
+    try:
+        out: Response = _typed_decoder.decode(body)
+    except msgspec.ValidationError:
+        return _via_dict(body)  # a bad value fails there too, as it always did
+    return out
 
 
 def _via_dict(body: bytes) -> Response:
@@ -306,10 +306,20 @@ def _snapshot_rows(medium: str, name: str, uri: str) -> tuple[bytes, _Rows, byte
     return ev_head + b"[", _Rows(blk_head, blk_tail), b"]" + ev_tail
 
 
+_TRACE = b'{"trace_id":'
+
+
+@functools.lru_cache(maxsize=16)
+def _envelope_rest(instance_id: str, host_ip_port: str, storage_type: str) -> bytes:
+    """The envelope after the trace id, up to the events' `[` (the same for every request of a
+    reporter: formatted once)."""
+    text = encode(ReportEventRequest("", instance_id, host_ip_port, storage_type, []))
+    assert text.startswith(_TRACE + b'""') and text.endswith(b'"events":[]}')
+    return text[len(_TRACE) + 2 : -len(b"]}")]
+
+
 def _envelope_head(trace_id: str, instance_id: str, host_ip_port: str, storage_type: str) -> bytes:
-    text = encode(ReportEventRequest(trace_id, instance_id, host_ip_port, storage_type, []))
-    assert text.endswith(b'"events":[]}')
-    return text[: -len(b"]}")]
+    return _TRACE + encode(trace_id) + _envelope_rest(instance_id, host_ip_port, storage_type)
 
 
 Mediums = str | Sequence[str]

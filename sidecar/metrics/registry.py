@@ -8,10 +8,11 @@ docs/operations.md and a test check against the registry.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -169,13 +170,13 @@ OUTCOMES = ("ok", "retry", "resnapshot", "reregister", "circuit_open")
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self._children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
-        self.requests = Counter(
-            "kvcm_sidecar_requests",
-            METRICS["kvcm_sidecar_requests"][1],
-            ["op", "outcome"],
-            registry=self.registry,
-        )
+        # Request and held-answer counts are plain ints, exported at scrape time (_Requests): a
+        # prometheus Counter's inc() takes a lock and runs its checks on every request, which
+        # at engine pace is one per flush window.
+        self.request_counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.held_counts: collections.Counter[str] = collections.Counter()
+        self.registry.register(_Requests(self))
+        self._latency: dict[str, Any] = {}  # op -> the histogram's child (labels() once per op)
         self.latency = Histogram(
             "kvcm_sidecar_request_duration_seconds",
             METRICS["kvcm_sidecar_request_duration_seconds"][1],
@@ -199,29 +200,16 @@ class Metrics:
             ),
             registry=self.registry,
         )
-        self.held = Counter(
-            "kvcm_sidecar_held_answers",
-            METRICS["kvcm_sidecar_held_answers"][1],
-            ["op"],
-            registry=self.registry,
-        )
 
     def observe(self, op: str, result: Result) -> None:
-        # The children, looked up once per label set (labels() takes a lock and builds a key
-        # each call, at every request; the label sets are few: ops x outcomes).
-        outcome = OUTCOMES[int(result.action)]
-        child = self._children.get((op, outcome))
+        self.request_counts[(op, OUTCOMES[int(result.action)])] += 1
+        if result.held_s > 0:  # its latency is not known: it came sometime in the hold
+            self.held_counts[op] += 1
+            return
+        child = self._latency.get(op)
         if child is None:
-            child = self._children[(op, outcome)] = (
-                self.requests.labels(op, outcome),
-                self.latency.labels(op),
-                self.held.labels(op),
-            )
-        child[0].inc()
-        if result.held_s > 0:
-            child[2].inc()
-        else:
-            child[1].observe(result.latency_s)
+            child = self._latency[op] = self.latency.labels(op)
+        child.observe(result.latency_s)
 
     def attach(self, publisher: Publisher) -> None:
         self.registry.register(_PublisherCollector(publisher))
@@ -231,6 +219,23 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Requests(Collector):
+    def __init__(self, m: Metrics) -> None:
+        self.m = m
+
+    def collect(self) -> Iterator[Metric]:
+        name = "kvcm_sidecar_requests"
+        req = CounterMetricFamily(name, METRICS[name][1], labels=["op", "outcome"])
+        for (op, outcome), n in sorted(self.m.request_counts.items()):
+            req.add_metric([op, outcome], n)
+        yield req
+        name = "kvcm_sidecar_held_answers"
+        held = CounterMetricFamily(name, METRICS[name][1], labels=["op"])
+        for op, n in sorted(self.m.held_counts.items()):
+            held.add_metric([op], n)
+        yield held
 
 
 class _PublisherCollector(Collector):

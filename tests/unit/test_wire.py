@@ -198,3 +198,13 @@ def test_encode_batch_is_encode_deltas_of_its_adds_then_deletes(
         assert bytes(W.encode_batch(*who, keys, pub, medium, spec)) == want
     finally:
         compiled.accel = saved
+
+
+@given(st.text(max_size=12), st.text(max_size=12), st.text(max_size=12), st.text(max_size=6))
+def test_envelope_head_is_the_struct_encoding(
+    trace_id: str, instance_id: str, host_ip_port: str, storage_type: str
+) -> None:
+    """The cached envelope (everything after the trace id formatted once per reporter) is the
+    Struct's own encoding up to its events' `[`, whatever the strings hold."""
+    full = W.encode(W.ReportEventRequest(trace_id, instance_id, host_ip_port, storage_type, []))
+    assert W._envelope_head(trace_id, instance_id, host_ip_port, storage_type) == full[:-2]
