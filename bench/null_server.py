@@ -6,6 +6,9 @@ settles in one round, as against a real KVCM). It is a bare asyncio protocol, so
 measure the sidecar's pipeline rather than a web framework on the other end of the socket.
 Prints its URL.
 
+With `--delay-ms N` it answers each POST N ms after its body arrived (the arrival is still noted
+at once): a manager across a network, for bench.pace's `--manager-delay-ms`.
+
 With `--record` it also notes when each block key first arrived (one regex over each body) and
 serves (and forgets) them on `GET /debug/arrivals` in the stand-in's format (`GET
 /debug/arrival?key=K`: one key's arrival, kept; `GET /debug/stats`: requests and body bytes
@@ -44,6 +47,7 @@ STATS = {"requests": 0, "body_bytes": 0}
 
 class NullHttp(asyncio.Protocol):
     record = False
+    delay_s = 0.0  # --delay-ms: answer POSTs this much later (a manager across a network)
 
     def __init__(self) -> None:
         self.head = b""
@@ -81,7 +85,15 @@ class NullHttp(asyncio.Protocol):
             view = view[take:]
             if self.body_left == 0:
                 self.body_left = -1
-                self.transport.write(self._answer())
+                if self.delay_s and not self.request_line.startswith(b"GET "):
+                    answer = self._answer()
+                    asyncio.get_running_loop().call_later(self.delay_s, self._write, answer)
+                else:
+                    self.transport.write(self._answer())
+
+    def _write(self, answer: bytes) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(answer)
 
     def _answer(self) -> bytes:
         if self.request_line.startswith(b"GET /debug/arrivals"):
@@ -111,6 +123,8 @@ class NullHttp(asyncio.Protocol):
 
 async def main() -> None:
     NullHttp.record = "--record" in sys.argv[1:]
+    if "--delay-ms" in sys.argv:
+        NullHttp.delay_s = float(sys.argv[sys.argv.index("--delay-ms") + 1]) / 1e3
     loop = asyncio.get_running_loop()
     server = await loop.create_server(NullHttp, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]

@@ -295,9 +295,17 @@ def _signed(k: int) -> str:
 class Sidecar:
     """`kvcm-sidecar run` from `root` (ours, or a baseline checkout), on one source."""
 
-    def __init__(self, base: str, source: str, spec: dict[str, Any], root: Path) -> None:
+    def __init__(
+        self,
+        base: str,
+        source: str,
+        spec: dict[str, Any],
+        root: Path,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         env = {
             **os.environ,
+            **(extra_env or {}),
             "PYTHONPATH": str(root),
             "KV_CACHE_EVENT_MANAGER_ENDPOINT": base,
             "KV_CACHE_EVENT_INSTANCE_ID": spec["instance"],
@@ -390,6 +398,13 @@ def _cleanup(spec: dict[str, Any]) -> None:
     unlink(spec["ring"])
 
 
+def _side_env(a: argparse.Namespace, root: Path | None) -> dict[str, str]:
+    """The baseline side's extra environment (--baseline-env), e.g. our code with a setting off."""
+    if root is None:
+        return {}
+    return dict(kv.split("=", 1) for kv in getattr(a, "baseline_env", None) or [])
+
+
 def paced(system: str, rate: int, a: argparse.Namespace, root: Path | None) -> dict[str, Any]:
     """One paced run of `system` (none, hook or vllm) with our sidecar or `root`'s beside it."""
     spec = _spec(system, rate, a)
@@ -399,7 +414,7 @@ def paced(system: str, rate: int, a: argparse.Namespace, root: Path | None) -> d
         eng.line()
         if system != "none":
             source = "ring" if system == "hook" else "zmq"
-            side = Sidecar(a.base, source, spec, root or ROOT)
+            side = Sidecar(a.base, source, spec, root or ROOT, _side_env(a, root))
             side.until(lambda s: s["state"] == "READY" and s.get("registered"))
         eng.send(f"go {side.proc.p.pid if side else 0}")
         eng.line()  # measuring
@@ -460,7 +475,7 @@ def idle(system: str, a: argparse.Namespace, root: Path | None) -> dict[str, Any
     side: Sidecar | None = None
     try:
         eng.line()
-        side = Sidecar(a.base, source, spec, root or ROOT)
+        side = Sidecar(a.base, source, spec, root or ROOT, _side_env(a, root))
         side.until(lambda s: s["state"] == "READY" and s.get("registered"))
         eng.send(f"go {side.proc.p.pid}")
         eng.line()  # filled
@@ -617,6 +632,19 @@ def main() -> None:
     ap.add_argument("--baseline-root", default="")
     ap.add_argument("--out", default="")
     ap.add_argument("--only", choices=["single_key"], default="", help="run only this part")
+    ap.add_argument(
+        "--baseline-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set in the baseline sidecar's environment (with --baseline-root . : a setting's A/B)",
+    )
+    ap.add_argument(
+        "--manager-delay-ms",
+        type=float,
+        default=0.0,
+        help="the null manager answers each POST this much later (a manager across a network)",
+    )
     a = ap.parse_args()
     if a.worker:
         worker(json.loads(a.worker))
@@ -634,7 +662,8 @@ def main() -> None:
     if a.only == "single_key":
         _only_single_key(a, sides)
         return
-    null = Proc([PY, "-m", "bench.null_server", "--record"])
+    delay = ["--delay-ms", str(a.manager_delay_ms)] if a.manager_delay_ms else []
+    null = Proc([PY, "-m", "bench.null_server", "--record", *delay])
     assert null.p.stdout is not None
     a.base = null.p.stdout.readline().rsplit(" ", 1)[1].strip()
     result: dict[str, Any] = {
@@ -645,6 +674,8 @@ def main() -> None:
             "seconds": a.seconds,
             "reps": a.reps,
             "baseline_root": str(base_root) if base_root else None,
+            "manager_delay_ms": a.manager_delay_ms,
+            "baseline_env": a.baseline_env,
         },
         "rates": {},
     }
