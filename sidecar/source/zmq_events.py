@@ -4,7 +4,8 @@ Imports: stdlib, numpy, msgspec. `[ts, events, dp_rank?]`; events are tagged map
 from older releases, positional arrays (tag first, trailing fields optional); unknown fields are
 ignored, absent ones tolerated, unknown event types skipped. Typed decoders first, generic as a
 fallback; each event's hashes stay msgpack (msgspec.Raw) until the flush reads a whole loop
-turn's at once (hash_arrays.py: ints or byte digests, their low 64 bits as int64 patterns).
+turn's at once (hash_arrays.py: ints or byte digests, their low 64 bits as int64 patterns; in
+the common case BlockReader, one C pass over every segment, whose result must equal to_blocks').
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from sidecar.shm_ring import compiled
 from sidecar.source.hash_arrays import read_keys
 
 STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
@@ -204,6 +206,37 @@ def to_blocks(segments: list[Segment]) -> Folded:
         np.repeat((2 * stored - 1).astype(np.int8), n),
     )
     return Folded(blocks, c, n, bad)
+
+
+class BlockReader:
+    """to_blocks' common case in one C pass (compiled.accel.zmq_keys): segments whose hashes
+    are all msgpack ints / bins -> per-block keys, places (medium << 8 | group) and signs,
+    and their events counted. Scratch arrays reused from flush to flush: what it returns is
+    valid until its next read."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = np.empty((3, 4096), np.int64)
+
+    def read(
+        self, segments: list[Segment], events: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
+        """(keys, places, signs, the one place of them all or -1), `events` ([2 * medium +
+        stored], int64) counted; None (nothing done): no C loops, or an event that the
+        general path must read (to_blocks: unreadable or unusual hashes)."""
+        accel = compiled.accel
+        if accel is None:
+            return None
+        buf = self._buf
+        got = accel.zmq_keys(segments, buf[0], buf[1], buf[2], events)
+        if type(got) is int:  # the scratch is short: grow it, read again
+            self._buf = buf = np.empty((3, max(got, 2 * buf.shape[1])), np.int64)
+            got = accel.zmq_keys(segments, buf[0], buf[1], buf[2], events)
+        if got is None:
+            return None
+        n, place = got
+        return buf[0, :n], buf[1, :n], buf[2, :n], place
 
 
 class EventDecoder:
