@@ -1253,7 +1253,8 @@ static PyObject *digits(PyObject *self, PyObject *args) {
  * that is no msgpack int or bin, an array that is not exactly one array) makes it answer None,
  * and the caller runs the general path (which finds and repairs malformed events). */
 
-static PyObject *str_hashes = NULL, *str_codes = NULL;
+static PyObject *str_hashes = NULL, *str_codes = NULL, *str_medium = NULL, *str_group_idx = NULL,
+                *str_block_size = NULL, *str_block_hashes = NULL;
 
 static inline uint64_t zmq_be(const unsigned char *p, Py_ssize_t k) {
     uint64_t v = 0;
@@ -1513,11 +1514,64 @@ e1:
     return result;
 }
 
+/* zmq_fold(events, known, hashes, codes, kept) -> how many events it took: EventDecoder._fold's
+ * loop over a decoded batch's events while each is a block event whose (type, medium, group_idx,
+ * block_size) `known` maps to a code >= 0: ev.block_hashes onto hashes, the code onto codes, the
+ * event onto kept (unless None). It stops at the first other one (a clear, a drop, one not
+ * seen yet): the caller goes on from there. */
+static PyObject *zmq_fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyList_Check(args[0]) || !PyDict_Check(args[1]) ||
+        !PyList_Check(args[2]) || !PyList_Check(args[3]) ||
+        (args[4] != Py_None && !PyList_Check(args[4]))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "zmq_fold(events: list, known: dict, hashes: list, codes: list, kept)");
+        return NULL;
+    }
+    PyObject *events = args[0], *known = args[1], *hashes = args[2], *codes = args[3];
+    PyObject *kept = args[4] == Py_None ? NULL : args[4];
+    const Py_ssize_t n = PyList_GET_SIZE(events);
+    Py_ssize_t i = 0;
+    for (; i < n; i++) {
+        PyObject *ev = PyList_GET_ITEM(events, i);
+        PyObject *what = PyTuple_New(4);
+        if (what == NULL) return NULL;
+        Py_INCREF(Py_TYPE(ev));
+        PyTuple_SET_ITEM(what, 0, (PyObject *)Py_TYPE(ev));
+        PyObject *const names[3] = {str_medium, str_group_idx, str_block_size};
+        for (int k = 0; k < 3; k++) {
+            PyObject *v = PyObject_GetAttr(ev, names[k]);
+            if (v == NULL) {
+                Py_DECREF(what);
+                return NULL;
+            }
+            PyTuple_SET_ITEM(what, k + 1, v);
+        }
+        PyObject *code = PyDict_GetItemWithError(known, what); /* borrowed */
+        Py_DECREF(what);
+        if (code == NULL) {
+            if (PyErr_Occurred()) return NULL;
+            break;
+        }
+        const long cv = PyLong_Check(code) ? PyLong_AsLong(code) : -1;
+        if (cv == -1 && PyErr_Occurred()) PyErr_Clear();
+        if (cv < 0) break;
+        PyObject *h = PyObject_GetAttr(ev, str_block_hashes);
+        if (h == NULL) return NULL;
+        const int bad = PyList_Append(hashes, h) < 0 || PyList_Append(codes, code) < 0 ||
+                        (kept != NULL && PyList_Append(kept, ev) < 0);
+        Py_DECREF(h);
+        if (bad) return NULL;
+    }
+    return PyLong_FromSsize_t(i);
+}
+
 static PyMethodDef zmq_methods[] = {
     {"zmq_keys", (PyCFunction)(void (*)(void))zmq_keys, METH_FASTCALL,
      "zmq_keys(pend, keys, places, signs, events) -> (blocks, place), None, or room needed"},
     {"zmq_count", (PyCFunction)(void (*)(void))zmq_count, METH_FASTCALL,
      "zmq_count(pos, signs, col, flags, out, set_m, clr_m, bit) -> (flips, held delta)"},
+    {"zmq_fold", (PyCFunction)(void (*)(void))zmq_fold, METH_FASTCALL,
+     "zmq_fold(events, known, hashes, codes, kept) -> events taken"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1526,7 +1580,13 @@ static int kvcm_zmq_add(PyObject *mod) {
     if (str_hashes == NULL) {
         str_hashes = PyUnicode_InternFromString("hashes");
         str_codes = PyUnicode_InternFromString("codes");
-        if (str_hashes == NULL || str_codes == NULL) return -1;
+        str_medium = PyUnicode_InternFromString("medium");
+        str_group_idx = PyUnicode_InternFromString("group_idx");
+        str_block_size = PyUnicode_InternFromString("block_size");
+        str_block_hashes = PyUnicode_InternFromString("block_hashes");
+        if (str_hashes == NULL || str_codes == NULL || str_medium == NULL ||
+            str_group_idx == NULL || str_block_size == NULL || str_block_hashes == NULL)
+            return -1;
     }
     return PyModule_AddFunctions(mod, zmq_methods);
 }
