@@ -13,6 +13,7 @@ import numpy as np
 
 from sidecar.key_state import KeyState
 from sidecar.shm_ring import compiled
+from sidecar.shm_ring.key_table import KeyTable
 
 
 def _col(group: int) -> str:
@@ -27,13 +28,15 @@ class BlockCounts:
         self._mark = np.zeros(0, np.int64)  # scratch, one entry per dense position
         self._flags = np.zeros(0, np.uint8)  # the C walk's scratch (zeroed between calls)
 
-    def _counts(self, medium: int, group: int) -> np.ndarray:
+    def _counts(self, medium: int, group: int) -> KeyTable:
+        """The table holding (medium, group)'s counts (the column added if it is new)."""
         t = self.keys.table(medium)
-        name = _col(group)
-        if name not in t.cols:
-            t.add_column(name, np.int64)
-        self.places.add((medium, group))
-        return t.cols[name]
+        if (medium, group) not in self.places:
+            name = _col(group)
+            if name not in t.cols:
+                t.add_column(name, np.int64)
+            self.places.add((medium, group))
+        return t
 
     def _positive(self, medium: int, group: int) -> tuple[np.ndarray, np.ndarray]:
         t = self.keys.table(medium)
@@ -105,8 +108,7 @@ class BlockCounts:
             self._apply_one(medium, group, keys, signs)
 
     def _apply_one(self, medium: int, group: int, keys: np.ndarray, signs: np.ndarray) -> None:
-        self._counts(medium, group)
-        t = self.keys.table(medium)
+        t = self._counts(medium, group)
         # Every event's key, repeats included: one lookup per event.
         pos = t.find(keys, True)
         col = t.cols[_col(group)]  # after find: an insert may have grown the columns
