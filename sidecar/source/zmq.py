@@ -1122,6 +1122,7 @@ class ZmqSource:
         policy = FlushPolicy.of(self.cfg.report)
         send_at = policy.at_keys
         since = 0.0  # > 0: the loop slept on purpose since then (batches queued in the SUB)
+        rewatch: Callable[[], None] | None = None  # watches the SUB's descriptor again
         blocks_before = 0
         while True:
             s.tick()
@@ -1139,6 +1140,9 @@ class ZmqSource:
                     timeout = min(timeout, s.replay.deadline - self.clock())
                 if (retry_at := s.next_timer()) is not None:
                     timeout = min(timeout, retry_at - self.clock())
+                if rewatch is not None:  # the SUB's descriptor, unwatched since a wait
+                    rewatch()
+                    rewatch = None
                 turn = poller.poll(max(int(timeout * 1000), 0))
                 assert isinstance(turn, asyncio.Future)  # pyzmq's asyncio poller: a Future
                 self._turn = turn
@@ -1184,13 +1188,13 @@ class ZmqSource:
                 if until - now >= COALESCE_MIN_S:
                     since, blocks_before = now, s.blocks
                     # pyzmq watches the SUB's descriptor for the socket's whole life: its first
-                    # batch during the wait would wake the loop for nothing. Unwatched meanwhile.
-                    watch = _unwatch(sub)
-                    try:
-                        await asyncio.sleep(until - now)
-                    finally:
-                        if watch is not None:
-                            watch()
+                    # batch during the wait would wake the loop for nothing. Unwatched meanwhile,
+                    # and until the loop polls again (only the poll needs it: at a steady pace
+                    # waits follow waits, and each unwatch / watch costs the event loop a
+                    # handle and syscalls).
+                    if rewatch is None:
+                        rewatch = _unwatch(sub)
+                    await asyncio.sleep(until - now)
 
     def _read_live(self, sock: zmq.Socket[bytes]) -> int:
         # pyzmq's recv_multipart asks RCVMORE after every frame (~1 us each: getsockopt goes
