@@ -1555,11 +1555,16 @@ static PyObject *zmq_fold(PyObject *self, PyObject *const *args, Py_ssize_t narg
         const long cv = PyLong_Check(code) ? PyLong_AsLong(code) : -1;
         if (cv == -1 && PyErr_Occurred()) PyErr_Clear();
         if (cv < 0) break;
+        Py_INCREF(code); /* owned while anything else runs */
         PyObject *h = PyObject_GetAttr(ev, str_block_hashes);
-        if (h == NULL) return NULL;
+        if (h == NULL) {
+            Py_DECREF(code);
+            return NULL;
+        }
         const int bad = PyList_Append(hashes, h) < 0 || PyList_Append(codes, code) < 0 ||
                         (kept != NULL && PyList_Append(kept, ev) < 0);
         Py_DECREF(h);
+        Py_DECREF(code);
         if (bad) return NULL;
     }
     return PyLong_FromSsize_t(i);
