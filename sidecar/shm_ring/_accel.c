@@ -1328,27 +1328,26 @@ static Py_ssize_t zmq_array(const unsigned char *b, Py_ssize_t len, int64_t *out
     return at == len ? n : -1;
 }
 
-/* zmq_keys(pend, keys, places, signs, events) -> (blocks, place), None, or the room needed.
+/* zmq_keys(pend, out, events) -> (blocks, place), None, or the room needed.
  * pend: segments (.hashes: msgpack arrays, .codes: ints, medium << 8 | group << 1 | stored);
- * per block: keys[i], places[i] = medium << 8 | group, signs[i] = +1 / -1 (int64 each); place
+ * out: int64, C order, (3, room): rows keys, places, signs. Per block i: keys[i], places[i] =
+ * medium << 8 | group, signs[i] = +1 / -1; place
  * is the one place of every block, or -1. events[2 * medium + stored] += 1 per event, only when
  * the whole call succeeds. An int (> the arrays' room): nothing done, grow them and call again. */
 static PyObject *zmq_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5 || !PyList_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "zmq_keys(pend: list, keys, places, signs, events)");
+    if (nargs != 3 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "zmq_keys(pend: list, out, events)");
         return NULL;
     }
     PyObject *pend = args[0];
-    Py_buffer vk, vp, vs, ve;
-    if (kvcm_view(args[1], &vk, 8, 1, "keys") < 0) return NULL;
-    if (kvcm_view(args[2], &vp, 8, 1, "places") < 0) goto e1;
-    if (kvcm_view(args[3], &vs, 8, 1, "signs") < 0) goto e2;
-    if (kvcm_view(args[4], &ve, 8, 1, "events") < 0) goto e3;
+    Py_buffer vo, ve;
+    if (kvcm_view(args[1], &vo, 8, 1, "out") < 0) return NULL;
+    if (kvcm_view(args[2], &ve, 8, 1, "events") < 0) goto e1;
     PyObject *result = NULL;
-    int64_t *keys = vk.buf, *places = vp.buf, *signs = vs.buf, *events = ve.buf;
-    const Py_ssize_t room = Py_MIN(vk.len, Py_MIN(vp.len, vs.len)) / 8;
-    if (ve.len / 8 < 512) {
-        PyErr_SetString(PyExc_ValueError, "zmq_keys: events needs 512 entries");
+    const Py_ssize_t room = vo.len / 24;
+    int64_t *keys = vo.buf, *places = keys + room, *signs = keys + 2 * room, *events = ve.buf;
+    if (ve.len / 8 < 512 || vo.len % 24) {
+        PyErr_SetString(PyExc_ValueError, "zmq_keys: out is (3, room), events 512 entries");
         goto e4;
     }
     Py_ssize_t nb = 0, need = 0;
@@ -1428,42 +1427,35 @@ static PyObject *zmq_keys(PyObject *self, PyObject *const *args, Py_ssize_t narg
     }
 e4:
     PyBuffer_Release(&ve);
-e3:
-    PyBuffer_Release(&vs);
-e2:
-    PyBuffer_Release(&vp);
 e1:
-    PyBuffer_Release(&vk);
+    PyBuffer_Release(&vo);
     return result;
 }
 
-/* zmq_count(pos, signs, col, flags, out, set_m, clr_m, bit) -> (flips, held delta): each event
- * in order, col[pos[i]] <- max(0, col[pos[i]] + signs[i]); then every position whose count
- * went from 0 to positive or back, once, in first-touch order, into out[0:flips] with
- * set_m / clr_m = bit / 0 (now held) or 0 / bit (no longer). flags (u8, zeroed, >= len(col))
- * is scratch and left zeroed. */
+/* zmq_count(pos, signs, col, flags, out, bit) -> (flips, held delta): each event in order,
+ * col[pos[i]] <- max(0, col[pos[i]] + signs[i]); then every position whose count went from 0
+ * to positive or back, once, in first-touch order, into out[0][0:flips] (out: int64, C order,
+ * (3, >= len(pos))) with out[1] / out[2] (set / clear masks) = bit / 0 (now held) or 0 / bit
+ * (no longer). flags (u8, zeroed, >= len(col)) is scratch and left zeroed. */
 static PyObject *zmq_count(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "zmq_count(pos, signs, col, flags, out, set_m, clr_m, bit)");
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "zmq_count(pos, signs, col, flags, out, bit)");
         return NULL;
     }
-    const long long bit = PyLong_AsLongLong(args[7]);
+    const long long bit = PyLong_AsLongLong(args[5]);
     if (bit == -1 && PyErr_Occurred()) return NULL;
-    Py_buffer vp, vs, vc, vf, vo, vset, vclr;
+    Py_buffer vp, vs, vc, vf, vo;
     PyObject *result = NULL;
     if (kvcm_view(args[0], &vp, 8, 0, "pos") < 0) return NULL;
     if (kvcm_view(args[1], &vs, 8, 0, "signs") < 0) goto e1;
     if (kvcm_view(args[2], &vc, 8, 1, "col") < 0) goto e2;
     if (kvcm_view(args[3], &vf, 1, 1, "flags") < 0) goto e3;
     if (kvcm_view(args[4], &vo, 8, 1, "out") < 0) goto e4;
-    if (kvcm_view(args[5], &vset, 8, 1, "set_m") < 0) goto e5;
-    if (kvcm_view(args[6], &vclr, 8, 1, "clr_m") < 0) goto e6;
-    const Py_ssize_t m = vp.len / 8, cols = vc.len / 8;
+    const Py_ssize_t m = vp.len / 8, cols = vc.len / 8, row = vo.len / 24;
     const int64_t *pos = vp.buf, *sg = vs.buf;
-    int64_t *col = vc.buf, *out = vo.buf, *set_m = vset.buf, *clr_m = vclr.buf;
+    int64_t *col = vc.buf, *out = vo.buf, *set_m = out + row, *clr_m = out + 2 * row;
     uint8_t *flags = vf.buf;
-    if (vs.len / 8 != m || vo.len / 8 < m || vset.len / 8 < m || vclr.len / 8 < m ||
-        vf.len < cols) {
+    if (vs.len / 8 != m || vo.len % 24 || row < m || vf.len < cols) {
         PyErr_SetString(PyExc_ValueError, "zmq_count: arrays do not fit");
         goto e7;
     }
@@ -1498,10 +1490,6 @@ static PyObject *zmq_count(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     result = Py_BuildValue("nn", j, held);
 e7:
-    PyBuffer_Release(&vclr);
-e6:
-    PyBuffer_Release(&vset);
-e5:
     PyBuffer_Release(&vo);
 e4:
     PyBuffer_Release(&vf);
@@ -1572,9 +1560,9 @@ static PyObject *zmq_fold(PyObject *self, PyObject *const *args, Py_ssize_t narg
 
 static PyMethodDef zmq_methods[] = {
     {"zmq_keys", (PyCFunction)(void (*)(void))zmq_keys, METH_FASTCALL,
-     "zmq_keys(pend, keys, places, signs, events) -> (blocks, place), None, or room needed"},
+     "zmq_keys(pend, out, events) -> (blocks, place), None, or room needed"},
     {"zmq_count", (PyCFunction)(void (*)(void))zmq_count, METH_FASTCALL,
-     "zmq_count(pos, signs, col, flags, out, set_m, clr_m, bit) -> (flips, held delta)"},
+     "zmq_count(pos, signs, col, flags, out, bit) -> (flips, held delta)"},
     {"zmq_fold", (PyCFunction)(void (*)(void))zmq_fold, METH_FASTCALL,
      "zmq_fold(events, known, hashes, codes, kept) -> events taken"},
     {NULL, NULL, 0, NULL},

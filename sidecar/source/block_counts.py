@@ -117,9 +117,8 @@ class BlockCounts:
             if len(self._flags) < len(col):
                 self._flags = np.zeros(max(len(col), 2 * len(self._flags)), np.uint8)
             out = np.empty((3, len(pos)), np.int64)  # fresh: the key state may keep them
-            nf, held = accel.zmq_count(
-                pos, signs.astype(np.int64, copy=False), col, self._flags, *out, 1 << group
-            )
+            d = signs.astype(np.int64, copy=False)
+            nf, held = accel.zmq_count(pos, d, col, self._flags, out, 1 << group)
             self._held += held
             if nf:
                 self.keys.apply_bits_at(medium, out[0, :nf], out[1, :nf], out[2, :nf])

@@ -223,10 +223,10 @@ class BlockReader:
         if accel is None:
             return None
         buf = self._buf
-        got = accel.zmq_keys(segments, buf[0], buf[1], buf[2], events)
+        got = accel.zmq_keys(segments, buf, events)
         if type(got) is int:  # the scratch is short: grow it, read again
             self._buf = buf = np.empty((3, max(got, 2 * buf.shape[1])), np.int64)
-            got = accel.zmq_keys(segments, buf[0], buf[1], buf[2], events)
+            got = accel.zmq_keys(segments, buf, events)
         if got is None:
             return None
         n, place = got
