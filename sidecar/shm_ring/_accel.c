@@ -25,7 +25,7 @@
 /* Raised with every change to a signature or behaviour here; compiled.py uses the module only
  * if it equals its own ACCEL_ABI, so a stale in-place build is never called with the wrong
  * arguments (it falls back to the numpy / Python forms instead). */
-#define ACCEL_ABI 16
+#define ACCEL_ABI 17
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 /* Must equal sidecar/shm_ring/layout.py's KIND_STORED / KIND_REMOVED (a test compares). */
 #define KIND_STORED 1
@@ -1244,6 +1244,347 @@ static PyObject *digits(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ==== ZMQ source: fold of decoded batches ===================================================
+ * The ZMQ source's flush in two C passes instead of ~60 numpy calls (zmq_events.py BlockReader,
+ * block_counts.py _apply_one; their numpy forms are the reference and the fallback):
+ * zmq_keys reads every pending segment's block_hashes (msgpack arrays, as msgspec.Raw) into
+ * per-block keys / places / signs and counts the events; zmq_count walks the store counts in
+ * arrival order. Anything zmq_keys does not read exactly as the general path would (an element
+ * that is no msgpack int or bin, an array that is not exactly one array) makes it answer None,
+ * and the caller runs the general path (which finds and repairs malformed events). */
+
+static PyObject *str_hashes = NULL, *str_codes = NULL, *str_medium = NULL, *str_group_idx = NULL,
+                *str_block_size = NULL, *str_block_hashes = NULL;
+
+static inline uint64_t zmq_be(const unsigned char *p, Py_ssize_t k) {
+    uint64_t v = 0;
+    for (Py_ssize_t i = 0; i < k; i++) v = v << 8 | p[i];
+    return v;
+}
+
+/* One msgpack array of ints / bins at b[0:len] -> its elements' low 64 bits into out (at most
+ * room of them): the count, -1 if not exactly such an array, -2 - count if room is short. */
+static Py_ssize_t zmq_array(const unsigned char *b, Py_ssize_t len, int64_t *out,
+                            Py_ssize_t room) {
+    if (len < 1) return -1;
+    Py_ssize_t at, n;
+    const unsigned t = b[0];
+    if ((t & 0xF0) == 0x90) {
+        n = t & 0x0F;
+        at = 1;
+    } else if (t == 0xDC && len >= 3) {
+        n = (Py_ssize_t)zmq_be(b + 1, 2);
+        at = 3;
+    } else if (t == 0xDD && len >= 5) {
+        n = (Py_ssize_t)zmq_be(b + 1, 4);
+        at = 5;
+    } else {
+        return -1;
+    }
+    if (n > len) return -1; /* every element takes a byte at least */
+    if (n > room) return -2 - n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (at >= len) return -1;
+        const unsigned e = b[at++];
+        uint64_t v;
+        Py_ssize_t k = 0, blen = -1;
+        if (e <= 0x7F) {
+            v = e;
+        } else if (e >= 0xE0) {
+            v = (uint64_t)(int64_t)(int8_t)e;
+        } else {
+            switch (e) {
+            case 0xCC: k = 1; break;
+            case 0xCD: k = 2; break;
+            case 0xCE: k = 4; break;
+            case 0xCF: k = 8; break;
+            case 0xD0: k = -1; break;
+            case 0xD1: k = -2; break;
+            case 0xD2: k = -4; break;
+            case 0xD3: k = -8; break;
+            case 0xC4: blen = 1; break;
+            case 0xC5: blen = 2; break;
+            case 0xC6: blen = 4; break;
+            default: return -1; /* str, float, nil, bool, nested, ext: the general path */
+            }
+            if (blen > 0) { /* bin: big-endian, its last 8 bytes */
+                if (at + blen > len) return -1;
+                const Py_ssize_t bl = (Py_ssize_t)zmq_be(b + at, blen);
+                at += blen;
+                if (bl > len - at) return -1;
+                const Py_ssize_t w = bl < 8 ? bl : 8;
+                v = zmq_be(b + at + bl - w, w);
+                at += bl;
+            } else {
+                const Py_ssize_t w = k < 0 ? -k : k;
+                if (at + w > len) return -1;
+                v = zmq_be(b + at, w);
+                if (k < 0 && w < 8 && (v >> (8 * w - 1)) & 1) v |= ~(uint64_t)0 << (8 * w);
+                at += w;
+            }
+        }
+        out[i] = (int64_t)v;
+    }
+    return at == len ? n : -1;
+}
+
+/* zmq_keys(pend, out, events) -> (blocks, place), None, or the room needed.
+ * pend: segments (.hashes: msgpack arrays, .codes: ints, medium << 8 | group << 1 | stored);
+ * out: int64, C order, (3, room): rows keys, places, signs. Per block i: keys[i], places[i] =
+ * medium << 8 | group, signs[i] = +1 / -1; place
+ * is the one place of every block, or -1. events[2 * medium + stored] += 1 per event, only when
+ * the whole call succeeds. An int (> the arrays' room): nothing done, grow them and call again. */
+static PyObject *zmq_keys(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "zmq_keys(pend: list, out, events)");
+        return NULL;
+    }
+    PyObject *pend = args[0];
+    Py_buffer vo, ve;
+    if (kvcm_view(args[1], &vo, 8, 1, "out") < 0) return NULL;
+    if (kvcm_view(args[2], &ve, 8, 1, "events") < 0) goto e1;
+    PyObject *result = NULL;
+    const Py_ssize_t room = vo.len / 24;
+    int64_t *keys = vo.buf, *places = keys + room, *signs = keys + 2 * room, *events = ve.buf;
+    if (ve.len / 8 < 512 || vo.len % 24) {
+        PyErr_SetString(PyExc_ValueError, "zmq_keys: out is (3, room), events 512 entries");
+        goto e4;
+    }
+    Py_ssize_t nb = 0, need = 0;
+    int64_t place = -2;
+    int fallback = 0;
+    const Py_ssize_t ns = PyList_GET_SIZE(pend);
+    for (Py_ssize_t s = 0; s < ns && !fallback; s++) {
+        PyObject *seg = PyList_GET_ITEM(pend, s);
+        PyObject *hashes = PyObject_GetAttr(seg, str_hashes);
+        if (hashes == NULL) goto e4;
+        PyObject *codes = PyObject_GetAttr(seg, str_codes);
+        if (codes == NULL) {
+            Py_DECREF(hashes);
+            goto e4;
+        }
+        if (!PyList_Check(hashes) || !PyList_Check(codes) ||
+            PyList_GET_SIZE(hashes) != PyList_GET_SIZE(codes)) {
+            fallback = 1;
+        }
+        for (Py_ssize_t i = 0; !fallback && i < PyList_GET_SIZE(codes); i++) {
+            const long long code = PyLong_AsLongLong(PyList_GET_ITEM(codes, i));
+            if (code == -1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                fallback = 1;
+                break;
+            }
+            if (code < 0 || code >= (1LL << 16)) {
+                fallback = 1;
+                break;
+            }
+            Py_buffer vh;
+            if (PyObject_GetBuffer(PyList_GET_ITEM(hashes, i), &vh, PyBUF_SIMPLE) < 0) {
+                PyErr_Clear();
+                fallback = 1;
+                break;
+            }
+            Py_ssize_t got = zmq_array(vh.buf, vh.len, need ? NULL : keys + nb,
+                                       need ? 0 : room - nb);
+            if (got <= -2) { /* the arrays are short: count what is needed, write no more */
+                need = need ? need - 2 - got : nb - 2 - got;
+                got = 0;
+            } else if (got == -1) {
+                fallback = 1;
+            } else if (need) {
+                need += got;
+                got = 0;
+            }
+            PyBuffer_Release(&vh);
+            if (fallback) break;
+            const int64_t p = (code >> 8) << 8 | ((code >> 1) & 0x7F);
+            const int64_t sign = (code & 1) ? 1 : -1;
+            for (Py_ssize_t j = 0; j < got; j++) {
+                places[nb + j] = p;
+                signs[nb + j] = sign;
+            }
+            if (got) place = place == -2 || place == p ? p : -1;
+            nb += got;
+        }
+        Py_DECREF(hashes);
+        Py_DECREF(codes);
+    }
+    if (fallback) {
+        result = Py_NewRef(Py_None);
+    } else if (need) {
+        result = PyLong_FromSsize_t(need);
+    } else {
+        for (Py_ssize_t s = 0; s < ns; s++) { /* every code was read above: no error now */
+            PyObject *codes = PyObject_GetAttr(PyList_GET_ITEM(pend, s), str_codes);
+            if (codes == NULL) goto e4;
+            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(codes); i++) {
+                const long long code = PyLong_AsLongLong(PyList_GET_ITEM(codes, i));
+                events[((code >> 7) & ~1LL) | (code & 1)] += 1;
+            }
+            Py_DECREF(codes);
+        }
+        result = Py_BuildValue("nL", nb, (long long)(place == -2 ? -1 : place));
+    }
+e4:
+    PyBuffer_Release(&ve);
+e1:
+    PyBuffer_Release(&vo);
+    return result;
+}
+
+/* zmq_count(pos, signs, col, flags, out, bit) -> (flips, held delta): each event in order,
+ * col[pos[i]] <- max(0, col[pos[i]] + signs[i]); then every position whose count went from 0
+ * to positive or back, once, in first-touch order, into out[0][0:flips] (out: int64, C order,
+ * (3, >= len(pos))) with out[1] / out[2] (set / clear masks) = bit / 0 (now held) or 0 / bit
+ * (no longer). flags (u8, zeroed, >= len(col)) is scratch and left zeroed. */
+static PyObject *zmq_count(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "zmq_count(pos, signs, col, flags, out, bit)");
+        return NULL;
+    }
+    const long long bit = PyLong_AsLongLong(args[5]);
+    if (bit == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer vp, vs, vc, vf, vo;
+    PyObject *result = NULL;
+    if (kvcm_view(args[0], &vp, 8, 0, "pos") < 0) return NULL;
+    if (kvcm_view(args[1], &vs, 8, 0, "signs") < 0) goto e1;
+    if (kvcm_view(args[2], &vc, 8, 1, "col") < 0) goto e2;
+    if (kvcm_view(args[3], &vf, 1, 1, "flags") < 0) goto e3;
+    if (kvcm_view(args[4], &vo, 8, 1, "out") < 0) goto e4;
+    const Py_ssize_t m = vp.len / 8, cols = vc.len / 8, row = vo.len / 24;
+    const int64_t *pos = vp.buf, *sg = vs.buf;
+    int64_t *col = vc.buf, *out = vo.buf, *set_m = out + row, *clr_m = out + 2 * row;
+    uint8_t *flags = vf.buf;
+    if (vs.len / 8 != m || vo.len % 24 || row < m || vf.len < cols) {
+        PyErr_SetString(PyExc_ValueError, "zmq_count: arrays do not fit");
+        goto e7;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (pos[i] < 0 || pos[i] >= cols) {
+            PyErr_SetString(PyExc_IndexError, "zmq_count: a position beyond the counts");
+            goto e7;
+        }
+    }
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const int64_t p = pos[i];
+        if (!flags[p]) {
+            flags[p] = (uint8_t)(1 | (col[p] > 0) << 1);
+            out[k++] = p;
+        }
+        const int64_t c = col[p] + sg[i];
+        col[p] = c > 0 ? c : 0;
+    }
+    Py_ssize_t j = 0, held = 0;
+    for (Py_ssize_t t = 0; t < k; t++) {
+        const int64_t p = out[t];
+        const int was = flags[p] >> 1, now = col[p] > 0;
+        flags[p] = 0;
+        if (was != now) {
+            out[j] = p;
+            set_m[j] = now ? bit : 0;
+            clr_m[j] = now ? 0 : bit;
+            held += now ? 1 : -1;
+            j++;
+        }
+    }
+    result = Py_BuildValue("nn", j, held);
+e7:
+    PyBuffer_Release(&vo);
+e4:
+    PyBuffer_Release(&vf);
+e3:
+    PyBuffer_Release(&vc);
+e2:
+    PyBuffer_Release(&vs);
+e1:
+    PyBuffer_Release(&vp);
+    return result;
+}
+
+/* zmq_fold(events, known, hashes, codes, kept) -> how many events it took: EventDecoder._fold's
+ * loop over a decoded batch's events while each is a block event whose (type, medium, group_idx,
+ * block_size) `known` maps to a code >= 0: ev.block_hashes onto hashes, the code onto codes, the
+ * event onto kept (unless None). It stops at the first other one (a clear, a drop, one not
+ * seen yet): the caller goes on from there. */
+static PyObject *zmq_fold(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyList_Check(args[0]) || !PyDict_Check(args[1]) ||
+        !PyList_Check(args[2]) || !PyList_Check(args[3]) ||
+        (args[4] != Py_None && !PyList_Check(args[4]))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "zmq_fold(events: list, known: dict, hashes: list, codes: list, kept)");
+        return NULL;
+    }
+    PyObject *events = args[0], *known = args[1], *hashes = args[2], *codes = args[3];
+    PyObject *kept = args[4] == Py_None ? NULL : args[4];
+    const Py_ssize_t n = PyList_GET_SIZE(events);
+    Py_ssize_t i = 0;
+    for (; i < n; i++) {
+        PyObject *ev = PyList_GET_ITEM(events, i);
+        PyObject *what = PyTuple_New(4);
+        if (what == NULL) return NULL;
+        Py_INCREF(Py_TYPE(ev));
+        PyTuple_SET_ITEM(what, 0, (PyObject *)Py_TYPE(ev));
+        PyObject *const names[3] = {str_medium, str_group_idx, str_block_size};
+        for (int k = 0; k < 3; k++) {
+            PyObject *v = PyObject_GetAttr(ev, names[k]);
+            if (v == NULL) {
+                Py_DECREF(what);
+                return NULL;
+            }
+            PyTuple_SET_ITEM(what, k + 1, v);
+        }
+        PyObject *code = PyDict_GetItemWithError(known, what); /* borrowed */
+        Py_DECREF(what);
+        if (code == NULL) {
+            if (PyErr_Occurred()) return NULL;
+            break;
+        }
+        const long cv = PyLong_Check(code) ? PyLong_AsLong(code) : -1;
+        if (cv == -1 && PyErr_Occurred()) PyErr_Clear();
+        if (cv < 0) break;
+        Py_INCREF(code); /* owned while anything else runs */
+        PyObject *h = PyObject_GetAttr(ev, str_block_hashes);
+        if (h == NULL) {
+            Py_DECREF(code);
+            return NULL;
+        }
+        const int bad = PyList_Append(hashes, h) < 0 || PyList_Append(codes, code) < 0 ||
+                        (kept != NULL && PyList_Append(kept, ev) < 0);
+        Py_DECREF(h);
+        Py_DECREF(code);
+        if (bad) return NULL;
+    }
+    return PyLong_FromSsize_t(i);
+}
+
+static PyMethodDef zmq_methods[] = {
+    {"zmq_keys", (PyCFunction)(void (*)(void))zmq_keys, METH_FASTCALL,
+     "zmq_keys(pend, out, events) -> (blocks, place), None, or room needed"},
+    {"zmq_count", (PyCFunction)(void (*)(void))zmq_count, METH_FASTCALL,
+     "zmq_count(pos, signs, col, flags, out, bit) -> (flips, held delta)"},
+    {"zmq_fold", (PyCFunction)(void (*)(void))zmq_fold, METH_FASTCALL,
+     "zmq_fold(events, known, hashes, codes, kept) -> events taken"},
+    {NULL, NULL, 0, NULL},
+};
+
+/* Adds the functions above to the module (PyInit__accel). */
+static int kvcm_zmq_add(PyObject *mod) {
+    if (str_hashes == NULL) {
+        str_hashes = PyUnicode_InternFromString("hashes");
+        str_codes = PyUnicode_InternFromString("codes");
+        str_medium = PyUnicode_InternFromString("medium");
+        str_group_idx = PyUnicode_InternFromString("group_idx");
+        str_block_size = PyUnicode_InternFromString("block_size");
+        str_block_hashes = PyUnicode_InternFromString("block_hashes");
+        if (str_hashes == NULL || str_codes == NULL || str_medium == NULL ||
+            str_group_idx == NULL || str_block_size == NULL || str_block_hashes == NULL)
+            return -1;
+    }
+    return PyModule_AddFunctions(mod, zmq_methods);
+}
+/* ==== end of ZMQ source: fold of decoded batches ============================================ */
+
 static PyMethodDef methods[] = {
     {"words", words, METH_O, "words(keys: list) -> array('Q') of KVCM's signed bit pattern"},
     {"put_runs", (PyCFunction)(void (*)(void))put_runs, METH_FASTCALL,
@@ -1336,6 +1677,10 @@ PyMODINIT_FUNC PyInit__accel(void) {
         return NULL;
     }
     if (kvcm_rekey_add(mod) < 0 || kvcm_wire_add(mod) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
+    if (kvcm_zmq_add(mod) < 0) {
         Py_DECREF(mod);
         return NULL;
     }

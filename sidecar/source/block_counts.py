@@ -2,8 +2,9 @@
 
 Imports: numpy, key_state. Held while the count is positive; never below 0 (after a forget,
 removes of blocks stored before it arrive). The counts are `count<g>` columns of the key state's
-per-medium tables (one hash lookup serves both); a batch folds vectorised: per key, the clamped
-walk c <- max(0, c + d) ends at P - min(-c0, min_k P_k) (P_k the prefix sums of d).
+per-medium tables (one hash lookup serves both); a batch folds in one C pass (_accel.zmq_count:
+the clamped walk c <- max(0, c + d) in arrival order) or, without it, vectorised: per key, that
+walk ends at P - min(-c0, min_k P_k) (P_k the prefix sums of d).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from sidecar.key_state import KeyState
+from sidecar.shm_ring import compiled
+from sidecar.shm_ring.key_table import KeyTable
 
 
 def _col(group: int) -> str:
@@ -23,14 +26,17 @@ class BlockCounts:
         self.places: set[tuple[int, int]] = set()  # (medium, group) that ever had a count
         self._held = 0  # positive counts (kept as they flip: /status and metrics read it often)
         self._mark = np.zeros(0, np.int64)  # scratch, one entry per dense position
+        self._flags = np.zeros(0, np.uint8)  # the C walk's scratch (zeroed between calls)
 
-    def _counts(self, medium: int, group: int) -> np.ndarray:
+    def _counts(self, medium: int, group: int) -> KeyTable:
+        """The table holding (medium, group)'s counts (the column added if it is new)."""
         t = self.keys.table(medium)
-        name = _col(group)
-        if name not in t.cols:
-            t.add_column(name, np.int64)
-        self.places.add((medium, group))
-        return t.cols[name]
+        if (medium, group) not in self.places:
+            name = _col(group)
+            if name not in t.cols:
+                t.add_column(name, np.int64)
+            self.places.add((medium, group))
+        return t
 
     def _positive(self, medium: int, group: int) -> tuple[np.ndarray, np.ndarray]:
         t = self.keys.table(medium)
@@ -96,12 +102,27 @@ class BlockCounts:
             return
         self._apply_one(0, 0, keys, signs)
 
+    def apply_at(self, medium: int, group: int, keys: np.ndarray, signs: np.ndarray) -> None:
+        """apply(), for block events all of one (medium, group)."""
+        if len(keys):
+            self._apply_one(medium, group, keys, signs)
+
     def _apply_one(self, medium: int, group: int, keys: np.ndarray, signs: np.ndarray) -> None:
-        self._counts(medium, group)
-        t = self.keys.table(medium)
+        t = self._counts(medium, group)
         # Every event's key, repeats included: one lookup per event.
         pos = t.find(keys, True)
         col = t.cols[_col(group)]  # after find: an insert may have grown the columns
+        accel = compiled.accel
+        if accel is not None:  # the walk below in one C pass, in arrival order
+            if len(self._flags) < len(col):
+                self._flags = np.zeros(max(len(col), 2 * len(self._flags)), np.uint8)
+            out = np.empty((3, len(pos)), np.int64)  # fresh: the key state may keep them
+            d = signs.astype(np.int64, copy=False)
+            nf, held = accel.zmq_count(pos, d, col, self._flags, out, 1 << group)
+            self._held += held
+            if nf:
+                self.keys.apply_bits_at(medium, out[0, :nf], out[1, :nf], out[2, :nf])
+            return
         d = signs.astype(np.int64)
         # Keys that repeat in this batch, found without sorting them all: each event writes
         # its index at its key's position, and an event that does not read its own back

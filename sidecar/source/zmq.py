@@ -33,6 +33,7 @@ from sidecar.source.key_check import KeyCheck
 from sidecar.source.rekey import Rekey, fingerprint, load_table, save_table
 from sidecar.source.zmq_events import (
     ERR_EVENT,
+    BlockReader,
     Blocks,
     Decoded,
     EventDecoder,
@@ -152,6 +153,7 @@ class Stream:
         self.discard_ends = 0  # end markers of replies given up on, still to come
         self.incarnation = secrets.randbits(63) | 1
         self._pend: list[Segment] = []
+        self._reader = BlockReader()  # the flush's common case, in C
         self._replayed: dict[int, bytes] = {}  # seq -> digest of batches applied from a replay
         self._replayed_top = -1
         # counters (exported by sidecar/metrics)
@@ -502,6 +504,16 @@ class Stream:
             kc.credit -= len(pend)
             if kc.credit <= 0:
                 kc.sample_flush([p.origin[1] for p in pend if p.origin is not None])
+        if self.rekey is None and (got := self._reader.read(pend, self.events)) is not None:
+            # The common case: every event readable (counted by the read), engine keys.
+            keys, places, signs, place = got
+            self.blocks += len(keys)
+            if place >= 0:
+                self.counts.apply_at(place >> 8, place & 0xFF, keys, signs)
+            else:
+                self.counts.apply(keys, places >> 8, places & 0xFF, signs)
+            self.changed = True
+            return
         f = to_blocks(pend)
         evs = [e for p in pend for e in p.events] if self.rekey is not None else None
         if f.bad:
@@ -1110,6 +1122,7 @@ class ZmqSource:
         policy = FlushPolicy.of(self.cfg.report)
         send_at = policy.at_keys
         since = 0.0  # > 0: the loop slept on purpose since then (batches queued in the SUB)
+        rewatch: Callable[[], None] | None = None  # watches the SUB's descriptor again
         blocks_before = 0
         while True:
             s.tick()
@@ -1127,6 +1140,9 @@ class ZmqSource:
                     timeout = min(timeout, s.replay.deadline - self.clock())
                 if (retry_at := s.next_timer()) is not None:
                     timeout = min(timeout, retry_at - self.clock())
+                if rewatch is not None:  # the SUB's descriptor, unwatched since a wait
+                    rewatch()
+                    rewatch = None
                 turn = poller.poll(max(int(timeout * 1000), 0))
                 assert isinstance(turn, asyncio.Future)  # pyzmq's asyncio poller: a Future
                 self._turn = turn
@@ -1172,13 +1188,13 @@ class ZmqSource:
                 if until - now >= COALESCE_MIN_S:
                     since, blocks_before = now, s.blocks
                     # pyzmq watches the SUB's descriptor for the socket's whole life: its first
-                    # batch during the wait would wake the loop for nothing. Unwatched meanwhile.
-                    watch = _unwatch(sub)
-                    try:
-                        await asyncio.sleep(until - now)
-                    finally:
-                        if watch is not None:
-                            watch()
+                    # batch during the wait would wake the loop for nothing. Unwatched meanwhile,
+                    # and until the loop polls again (only the poll needs it: at a steady pace
+                    # waits follow waits, and each unwatch / watch costs the event loop a
+                    # handle and syscalls).
+                    if rewatch is None:
+                        rewatch = _unwatch(sub)
+                    await asyncio.sleep(until - now)
 
     def _read_live(self, sock: zmq.Socket[bytes]) -> int:
         # pyzmq's recv_multipart asks RCVMORE after every frame (~1 us each: getsockopt goes

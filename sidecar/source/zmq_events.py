@@ -4,7 +4,8 @@ Imports: stdlib, numpy, msgspec. `[ts, events, dp_rank?]`; events are tagged map
 from older releases, positional arrays (tag first, trailing fields optional); unknown fields are
 ignored, absent ones tolerated, unknown event types skipped. Typed decoders first, generic as a
 fallback; each event's hashes stay msgpack (msgspec.Raw) until the flush reads a whole loop
-turn's at once (hash_arrays.py: ints or byte digests, their low 64 bits as int64 patterns).
+turn's at once (hash_arrays.py: ints or byte digests, their low 64 bits as int64 patterns; in
+the common case BlockReader, one C pass over every segment, whose result must equal to_blocks').
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from sidecar.shm_ring import compiled
 from sidecar.source.hash_arrays import read_keys
 
 STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
@@ -135,30 +137,24 @@ class Blocks:
     signs: np.ndarray  # int8: +1 stored, -1 removed
 
 
-class Segment:
+class Segment(msgspec.Struct):
     """Block events of one batch between clears, one entry per event in each list: its hashes
     as they came (msgpack, read at the flush) and its code (medium index << 8 | group << 1 |
-    stored)."""
+    stored). A Struct: built once per batch, on the hot path, with no Python frame."""
 
-    __slots__ = ("codes", "events", "hashes", "origin")
-
-    def __init__(self) -> None:  # plain slots: built once per batch, on the hot path
-        self.hashes: list[Any] = []  # msgspec.Raw: one msgpack array per event
-        self.codes: list[int] = []
-        self.origin: Any = None  # the owner's note of the batch it came from
-        self.events: list[Any] = []  # key modes rolling / both: the event structs
+    hashes: list[Any] = msgspec.field(default_factory=list)  # msgspec.Raw: one array per event
+    codes: list[int] = msgspec.field(default_factory=list)
+    origin: Any = None  # the owner's note of the batch it came from
+    events: list[Any] = msgspec.field(default_factory=list)  # key modes rolling / both: structs
 
 
-class Decoded:
+class Decoded(msgspec.Struct):
     """A decoded payload: `parts` alternates Segments and the string CLEARED, in event order."""
 
-    __slots__ = ("dp_rank", "error", "ok", "parts")
-
-    def __init__(self, ok: bool, dp_rank: int | None = None, error: str = "") -> None:
-        self.ok = ok
-        self.dp_rank = dp_rank
-        self.parts: list[Segment | str] = []
-        self.error = error  # why not ok
+    ok: bool
+    dp_rank: int | None = None
+    error: str = ""  # why not ok
+    parts: list[Segment | str] = msgspec.field(default_factory=list)
 
 
 class Folded:
@@ -206,6 +202,37 @@ def to_blocks(segments: list[Segment]) -> Folded:
     return Folded(blocks, c, n, bad)
 
 
+class BlockReader:
+    """to_blocks' common case in one C pass (compiled.accel.zmq_keys): segments whose hashes
+    are all msgpack ints / bins -> per-block keys, places (medium << 8 | group) and signs,
+    and their events counted. Scratch arrays reused from flush to flush: what it returns is
+    valid until its next read."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = np.empty((3, 4096), np.int64)
+
+    def read(
+        self, segments: list[Segment], events: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int] | None:
+        """(keys, places, signs, the one place of them all or -1), `events` ([2 * medium +
+        stored], int64) counted; None (nothing done): no C loops, or an event that the
+        general path must read (to_blocks: unreadable or unusual hashes)."""
+        accel = compiled.accel
+        if accel is None:
+            return None
+        buf = self._buf
+        got = accel.zmq_keys(segments, buf, events)
+        if type(got) is int:  # the scratch is short: grow it, read again
+            self._buf = buf = np.empty((3, max(got, 2 * buf.shape[1])), np.int64)
+            got = accel.zmq_keys(segments, buf, events)
+        if got is None:
+            return None
+        n, place = got
+        return buf[0, :n], buf[1, :n], buf[2, :n], place
+
+
 class EventDecoder:
     """Payload bytes -> Decoded, for one replica's medium map and expected block size."""
 
@@ -232,7 +259,11 @@ class EventDecoder:
 
     def decode(self, payload: bytes) -> Decoded:
         try:
-            return self._decode(payload)
+            try:  # the variant that worked last, at once (the common case: one frame less)
+                batch = self._variants[self._order[0]].batch.decode(payload)
+            except msgspec.ValidationError:
+                return self._decode(payload)
+            return self._fold(batch.dp_rank, batch.events)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
             return Decoded(False, error=f"{ERR_NOT_MSGPACK}: {exc}")
         except (OverflowError, RecursionError, MemoryError) as exc:  # hostile nesting or sizes
@@ -247,8 +278,6 @@ class EventDecoder:
                 continue
             if n:
                 self._order.insert(0, self._order.pop(n))
-            if self.full:
-                return self._fold_full(batch.dp_rank, batch.events)
             return self._fold(batch.dp_rank, batch.events)
         # No typed decoding reads the whole batch: decode event by event.
         raw = _RAW_BATCH.decode(payload)  # raises DecodeError / ValidationError: not a batch
@@ -262,7 +291,7 @@ class EventDecoder:
                 unknown += 1
                 continue
             events.append(ev)
-        out = (self._fold_full if self.full else self._fold)(raw.dp_rank, events)
+        out = self._fold(raw.dp_rank, events)
         for _ in range(unknown):
             self._drop(DROP_UNKNOWN_EVENT)
         return out
@@ -285,15 +314,28 @@ class EventDecoder:
 
     def _fold(self, dp_rank: int | None, events: list[Any]) -> Decoded:
         # The hot loop of the ZMQ source: per event one lookup of what its (type, medium,
-        # group, block size) means, cached, and two appends; nothing per hash. Events and
-        # blocks are counted per flush from the codes (to_blocks), drops (rare) here.
+        # group, block size) means, cached, and two appends (three in key modes rolling /
+        # both: the event is kept); nothing per hash. The C loop takes the events while they
+        # are block events already known; this loop goes on from the first other one. Events
+        # and blocks are counted per flush from the codes (to_blocks), drops (rare) here.
         out = Decoded(True, dp_rank)
         if dp_rank is not None and self.dp_rank is not None and dp_rank != self.dp_rank:
             return out  # another rank's batch: the caller counts it, nothing to fold
         seg = Segment()
-        hashes, codes = seg.hashes, seg.codes
+        full = self.full
         known = self._codes
-        for ev in events:
+        first = 0
+        accel = compiled.accel
+        if accel is not None:
+            first = accel.zmq_fold(
+                events, known, seg.hashes, seg.codes, seg.events if full else None
+            )
+            if first == len(events):
+                if first:
+                    out.parts.append(seg)
+                return out
+        hashes, codes, kept = seg.hashes, seg.codes, seg.events
+        for ev in events[first:] if first else events:
             cls = type(ev)
             what = (cls, ev.medium, ev.group_idx, ev.block_size)
             code = known.get(what)
@@ -302,36 +344,8 @@ class EventDecoder:
             if code >= 0:
                 hashes.append(ev.block_hashes)
                 codes.append(code)
-            elif code == _CLEAR:
-                if codes:
-                    out.parts.append(seg)
-                    seg = Segment()
-                    hashes, codes = seg.hashes, seg.codes
-                out.parts.append(CLEARED)
-                self.cleared += 1
-            else:
-                self._drop(_DROPPED[code])
-        if codes:
-            out.parts.append(seg)
-        return out
-
-    def _fold_full(self, dp_rank: int | None, events: list[Any]) -> Decoded:
-        """_fold, keeping each block event's struct beside its hashes (re-keying reads them)."""
-        out = Decoded(True, dp_rank)
-        if dp_rank is not None and self.dp_rank is not None and dp_rank != self.dp_rank:
-            return out
-        seg = Segment()
-        hashes, codes, kept = seg.hashes, seg.codes, seg.events
-        known = self._codes
-        for ev in events:
-            what = (type(ev), ev.medium, ev.group_idx, ev.block_size)
-            code = known.get(what)
-            if code is None:
-                code = self._code(what)
-            if code >= 0:
-                hashes.append(ev.block_hashes)
-                codes.append(code)
-                kept.append(ev)
+                if full:
+                    kept.append(ev)
             elif code == _CLEAR:
                 if codes:
                     out.parts.append(seg)
