@@ -12,6 +12,7 @@ the next request's. Only plain `http://` endpoints; the client uses aiohttp for 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from urllib.parse import urlsplit
 
@@ -110,11 +111,14 @@ class Hold:
 
     async def wait(self, conn: _Conn) -> None:
         t = conn.transport
-        if t is None or conn.closed or self.hold_s <= 0:
+        if t is None or conn.closed or t.is_closing() or self.hold_s <= 0:
             return
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
-        t.pause_reading()
+        try:
+            t.pause_reading()
+        except RuntimeError:  # closed under us (uvloop): read as usual, which sees it closed
+            return
         self.held += 1
         self._waiter = w = loop.create_future()
         self.conn = conn
@@ -125,8 +129,9 @@ class Hold:
             timer.cancel()
             self._waiter, self.conn = None, None
             self.last_s = time.monotonic() - t0
-            if not conn.closed:
-                t.resume_reading()
+            if not conn.closed and not t.is_closing():
+                with contextlib.suppress(RuntimeError):  # closed meanwhile: the read sees it
+                    t.resume_reading()
 
 
 def _wake(w: asyncio.Future[None]) -> None:

@@ -316,8 +316,9 @@ class _Prompt(asyncio.Protocol):
     BODY = b'{"header":{"status":{"code":"OK"}}}'
     ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
 
-    def __init__(self, wrote: asyncio.Event) -> None:
+    def __init__(self, wrote: asyncio.Event, close: bool = False) -> None:
         self.wrote = wrote
+        self.close = close  # close the connection right after the answer
         self.buf = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -330,12 +331,15 @@ class _Prompt(asyncio.Protocol):
         if sep and len(body) >= int(head.lower().split(b"content-length: ")[1].split(b"\r")[0]):
             self.buf = b""
             self.transport.write(self.ANSWER)
+            if self.close:
+                self.transport.close()
             self.wrote.set()
 
 
-async def _prompt_server() -> tuple[asyncio.Server, str, asyncio.Event]:
+async def _prompt_server(close: bool = False) -> tuple[asyncio.Server, str, asyncio.Event]:
     wrote = asyncio.Event()
-    server = await asyncio.get_running_loop().create_server(lambda: _Prompt(wrote), "127.0.0.1", 0)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _Prompt(wrote, close), "127.0.0.1", 0)
     return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", wrote
 
 
@@ -359,6 +363,27 @@ async def test_lean_held_answer_is_read_at_the_poke_not_when_it_comes() -> None:
         got = await asyncio.wait_for(lean.post("/api/reportEvent", b"{}", 4096), 10)
         assert got == (200, _Prompt.BODY)
         assert len(lean._idle) == 1  # one connection, kept alive throughout
+    finally:
+        lean.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_lean_held_answer_of_a_peer_that_closed_meanwhile_is_still_read() -> None:
+    """The manager answered and closed the connection while the answer was held: the answer
+    is read whole at the poke, and the next request does not go out on the closed one."""
+    server, url, wrote = await _prompt_server(close=True)
+    lean, hold = Http1(url), Hold(60.0)
+    try:
+        task = asyncio.create_task(lean.post("/api/reportEvent", b"{}", 4096, hold))
+        await asyncio.wait_for(wrote.wait(), 10)
+        for _ in range(50):
+            await asyncio.sleep(0)
+        hold.poke()
+        assert await asyncio.wait_for(task, 10) == (200, _Prompt.BODY)
+        wrote.clear()
+        got = await asyncio.wait_for(lean.post("/api/reportEvent", b"{}", 4096), 10)
+        assert got == (200, _Prompt.BODY)  # on a new connection (this one is closed too)
     finally:
         lean.close()
         server.close()
