@@ -396,8 +396,8 @@ class Publisher:
             return
         # Adds first, then deletes (the batch's own order): item_results indexes map back to it.
         payload: bytes | memoryview
-        if batch.medium >= 0:  # one medium (the common case): one C call, no selections
-            m = batch.medium
+        m = batch.medium
+        if 0 <= m < len(d.mediums):  # one medium (the common case): one C call, no selections
             payload = W.encode_batch(
                 *self._reporter("delta"), batch.keys, batch.publish, d.mediums[m], self._specs()[m]
             )
@@ -413,19 +413,29 @@ class Publisher:
             )
         # Held (kvcm_client/transport.py Hold): its answer is read at the next window's wake-up,
         # not at a wake-up of its own; never while shutting down (the flush must end).
-        result = await self._send(
-            "reportEvent",
-            "delta",
-            payload,
-            self.cfg.manager.request_timeout_s,
-            hold=not self.stopping,
-        )
+        try:
+            result = await self._send(
+                "reportEvent",
+                "delta",
+                payload,
+                self.cfg.manager.request_timeout_s,
+                hold=not self.stopping,
+            )
+        except BaseException:
+            # Cancelled in flight (shutdown: most of a window is spent with the answer held):
+            # the taken keys go back in front, so the shutdown flush sends them again.
+            self.keys.confirm(batch, range(len(batch)))
+            raise
         if result.ok:
             self._ok(result)
             self.keys.confirm(batch)
             self.counters["delta_keys"] += len(batch)
             self.set_state(State.READY, "in sync" if not self.keys.dirty else "sending deltas")
             return
+        if result.failed_items and max(result.failed_items) >= len(batch):
+            # More item_results than events: the answer cannot be mapped back; retry them all.
+            result.failed_items = []
+            self.counters["unmappable_item_results"] += 1
         if result.failed_items and result.response is not None:
             # Not transactional: the OK items took effect; retry only the failed, in order.
             self.keys.confirm(batch, result.failed_items)

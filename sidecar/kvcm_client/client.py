@@ -221,6 +221,8 @@ class KvcmClient:
         held = self.hold if hold and lean is not None else None
         if held is not None:
             held.last_s = 0.0
+            # At least half the timeout is left for the answer after the hold.
+            held.start(time.monotonic() + timeout_s / 2)
         try:
             async with asyncio.timeout(timeout_s):
                 if lean is not None:
@@ -235,11 +237,11 @@ class KvcmClient:
                         body = await resp.content.read(self.max_response_bytes + 1)
                         status = resp.status
         except TimeoutError:
-            return _failed("timeout", f"no answer in {timeout_s}s", t0)
+            return _failed("timeout", f"no answer in {timeout_s}s", t0, held)
         except (aiohttp.ClientConnectorError, ConnectFailed) as exc:
-            return _failed("connect", str(exc)[:200], t0)
+            return _failed("connect", str(exc)[:200], t0, held)
         except (aiohttp.ClientError, OSError) as exc:
-            return _failed("transport", repr(exc)[:200], t0)
+            return _failed("transport", repr(exc)[:200], t0, held)
         held_s = held.last_s if held is not None else 0.0
         latency_s = time.perf_counter() - t0 - held_s
         if status // 100 != 2:
@@ -251,6 +253,8 @@ class KvcmClient:
         return result
 
 
-def _failed(reason: str, message: str, t0: float) -> Result:
+def _failed(reason: str, message: str, t0: float, held: Hold | None = None) -> Result:
     """No answer to act on: retried (timeouts and broken connections are ambiguous)."""
-    return Result(Action.RETRY, reason, message, latency_s=time.perf_counter() - t0)
+    held_s = held.last_s if held is not None else 0.0
+    latency_s = time.perf_counter() - t0 - held_s
+    return Result(Action.RETRY, reason, message, latency_s=latency_s, held_s=held_s)

@@ -99,11 +99,20 @@ class Hold:
         self.hold_s = hold_s
         self._waiter: asyncio.Future[None] | None = None
         self.conn: _Conn | None = None  # the connection whose answer is held (while held)
+        self.signals = 0  # pokes so far, held or not (a request skips its hold if one came
+        self.since = 0  # after it started: the loop woke for new work while it connected)
+        self.deadline = float("inf")  # monotonic: no hold past it (set per request)
         self.held = 0  # requests held (for metrics)
         self.poked = 0  # of those, read at a poke (the others at hold_s)
         self.last_s = 0.0  # how long the last held answer waited unread (at most)
 
+    def start(self, deadline: float) -> None:
+        """A request begins: a poke from now on ends its hold (even one before it waits);
+        its hold ends by `deadline` (monotonic) at the latest."""
+        self.since, self.deadline = self.signals, deadline
+
     def poke(self) -> None:
+        self.signals += 1
         w = self._waiter
         if w is not None and not w.done():
             self.poked += 1
@@ -111,10 +120,11 @@ class Hold:
 
     async def wait(self, conn: _Conn) -> None:
         t = conn.transport
-        if t is None or conn.closed or t.is_closing() or self.hold_s <= 0:
+        t0 = time.monotonic()
+        hold_s = min(self.hold_s, self.deadline - t0)
+        if t is None or conn.closed or t.is_closing() or hold_s <= 0 or self.signals != self.since:
             return
         loop = asyncio.get_running_loop()
-        t0 = time.monotonic()
         try:
             t.pause_reading()
         except RuntimeError:  # closed under us (uvloop): read as usual, which sees it closed
@@ -122,7 +132,7 @@ class Hold:
         self.held += 1
         self._waiter = w = loop.create_future()
         self.conn = conn
-        timer = loop.call_later(self.hold_s, _wake, w)  # cheaper than asyncio.timeout here
+        timer = loop.call_later(hold_s, _wake, w)  # cheaper than asyncio.timeout here
         try:
             await w
         finally:
@@ -154,8 +164,11 @@ class Http1:
             netloc = f"[{self.host}]" if u.port is None else f"[{self.host}]:{u.port}"
         self._host_header = f"Host: {netloc}\r\n"
         self._idle: list[_Conn] = []
+        self._closed = False
 
     def close(self) -> None:
+        """Close the idle connections; one in use is closed when its request ends."""
+        self._closed = True
         for c in self._idle:
             c.close()
         self._idle.clear()
@@ -191,7 +204,7 @@ class Http1:
         except BaseException:
             conn.abort()
             raise
-        if keep and not conn.closed and not conn.buf:
+        if keep and not conn.closed and not conn.buf and not self._closed:
             self._idle.append(conn)
         else:
             conn.close()

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
 import aiohttp
+import numpy as np
 import pytest
 
 from sidecar import config as C
 from sidecar.key_state import KeyState
-from sidecar.kvcm_client.client import KvcmClient
+from sidecar.kvcm_client.client import KvcmClient, Result
 from sidecar.publisher import Publisher, State
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.reader import RingReader
 from sidecar.shm_ring.segment import Segment
 from sidecar.shm_ring.writer import RingWriter
+from sidecar.source.base import Identity
 from sidecar.source.ring import RingSource
 
 
@@ -102,3 +105,48 @@ async def test_a_request_ending_after_the_engine_went_down_keeps_engine_down(
         assert state(p) == State.ENGINE_DOWN
     p.set_state(State.STOPPED, "shut down")
     assert state(p) == State.STOPPED
+
+
+class _Unanswered(KvcmClient):
+    """A manager that takes the request and never answers (the answer held, or lost)."""
+
+    def __init__(self, session: aiohttp.ClientSession) -> None:
+        super().__init__(session, "http://127.0.0.1:9", 1024)
+        self.entered = asyncio.Event()
+
+    async def post(
+        self, route: str, payload: bytes | memoryview, timeout_s: float, *, hold: bool = False
+    ) -> Result:
+        self.entered.set()
+        await asyncio.Event().wait()  # until cancelled
+        raise AssertionError("unreachable")
+
+
+async def test_a_delta_cancelled_in_flight_puts_its_keys_back_in_front(ring_name: str) -> None:
+    """Shutdown cancels the report loop while a delta is in flight (at engine pace its answer
+    is held for most of each window): the taken keys are neither acked nor lost, they are dirty
+    again, so the shutdown flush sends them."""
+    writer = RingWriter(Segment(ring_name, 64))
+    reader = RingReader(Segment(ring_name))
+    try:
+        async with aiohttp.ClientSession() as session:
+            cfg = C.load(env=ENV)
+            client = _Unanswered(session)
+            p = Publisher(cfg, client, RingSource(cfg, reader, KeyState()))
+            p.identity = Identity("i", 0, "m", "fp16", False, 1, 1, 1, 16, 4096, (0,), ("hbm",))
+            p.registered = True
+            keys = np.arange(1, 11, dtype=np.int64)
+            p.keys.apply_bits(0, keys, np.ones(10, np.int64), np.zeros(10, np.int64))
+            assert len(p.keys.dirty) == 10
+            task = asyncio.create_task(p.send_deltas())
+            await asyncio.wait_for(client.entered.wait(), 10)
+            assert len(p.keys.dirty) == 0  # taken: in flight
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert len(p.keys.dirty) == 10 and len(p.keys.acked) == 0
+            again = p.keys.take_batch(100)
+            assert sorted(again.keys.tolist()) == keys.tolist()
+    finally:
+        reader.close()
+        writer.close()
