@@ -291,12 +291,13 @@ class _Tier:
         `pub` None: adds first, then deletes."""
         c = compiled.accel
         assert c is not None
+        cols, q = self.t.cols, self.queue
         got, adds, done, offset, consumed = c.take_queue(
-            self.queue,
-            self.masks,
-            self.acked,
-            self.queued,
-            self.keys,
+            q,
+            cols["masks"],
+            cols["acked"],
+            cols["queued"],
+            self.t.idx.keys,
             self.owner.required,
             limit,
             pos,
@@ -304,7 +305,6 @@ class _Tier:
             pub,
             pub is None,
         )
-        q = self.queue
         del q[:done]
         if offset:
             q[0] = q[0][offset:]
@@ -383,7 +383,10 @@ class _Tier:
         if run is None:
             return False
         out = np.empty(len(pos), np.int64)
-        k, delta = run(pos, nadd, self.masks, self.acked, self.queued, self.owner.required, out)
+        cols = self.t.cols
+        k, delta = run(
+            pos, nadd, cols["masks"], cols["acked"], cols["queued"], self.owner.required, out
+        )
         self.nacked += delta
         self.owner._nacked += delta
         if k:

@@ -1283,6 +1283,8 @@ static PyObject *ring_copy(PyObject *self, PyObject *args) {
     Py_ssize_t good = 0;
     int clears = 0;
     unsigned max_medium = 0;
+    for (Py_ssize_t i = 0; i < n; i += 2) /* two slots a line: the misses overlap */
+        __builtin_prefetch(slots + 4 * ((start + i) & mask));
     for (; good < n; good++) {
         uint64_t *s = slots + 4 * ((start + good) & mask);
         const uint64_t seq = __atomic_load_n(&s[0], __ATOMIC_ACQUIRE);
@@ -1360,6 +1362,13 @@ static PyObject *fold_records(PyObject *self, PyObject *args) {
     for (Py_ssize_t c = cap; c > 1; c >>= 1) shift--;
     const uint64_t smask = (uint64_t)cap - 1;
     int marked = 0;
+    /* The index is cold after the event loop's sleep: a probe per key in turn waits for one
+     * cache miss after another. Their home slots are fetched all at once first. */
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const uint64_t s = ((uint64_t)rec[4 * i + 1] * GOLDEN) >> shift;
+        __builtin_prefetch(&tpos[s]);
+        __builtin_prefetch(&tkeys[s]);
+    }
     for (Py_ssize_t i = 0; i < m; i++) { /* find(insert=True): n + m < cap, a slot is free */
         const int64_t key = (int64_t)rec[4 * i + 1];
         uint64_t s = ((uint64_t)key * GOLDEN) >> shift;
@@ -1377,12 +1386,17 @@ static PyObject *fold_records(PyObject *self, PyObject *args) {
             }
             if (tkeys[s] == key) {
                 pos[i] = p - 1;
-                if (masks[p - 1] & (FOLD_TOUCHED | FOLD_WAS)) marked = 1;
                 break;
             }
             s = (s + 1) & smask;
         }
     }
+    for (Py_ssize_t i = 0; i < m; i++) { /* the same for the keys' columns */
+        __builtin_prefetch(&masks[pos[i]]);
+        __builtin_prefetch(&queued[pos[i]]);
+    }
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (masks[pos[i]] & (FOLD_TOUCHED | FOLD_WAS)) marked = 1;
     if (marked) {
         PyMem_Free(pos);
         result = Py_BuildValue("nnL", n, (Py_ssize_t)-1, 0LL);
@@ -1508,6 +1522,15 @@ static PyObject *take_queue(PyObject *self, PyObject *args) {
         }
         const int64_t *c = vc.buf;
         const Py_ssize_t len = vc.len / 8;
+        for (Py_ssize_t j = 0; j < len && j < 2 * (limit - got); j++) { /* the misses overlap */
+            const int64_t p = c[j];
+            if (p >= 0 && p < cols) {
+                __builtin_prefetch(&masks[p]);
+                __builtin_prefetch(&acked[p]);
+                __builtin_prefetch(&queued[p]);
+                __builtin_prefetch(&dense[p]);
+            }
+        }
         Py_ssize_t i = 0;
         for (; i < len && got < limit; i++) {
             const int64_t p = c[i];
@@ -1603,6 +1626,9 @@ static PyObject *confirm_run(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_IndexError, "confirm_run: a position beyond the columns");
             goto c5;
         }
+        __builtin_prefetch(&masks[pos[i]]);
+        __builtin_prefetch(&acked[pos[i]]);
+        __builtin_prefetch(&queued[pos[i]]);
     }
     Py_ssize_t n_out = 0;
     long long delta = 0;

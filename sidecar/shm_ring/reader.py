@@ -121,7 +121,8 @@ class RingReader:
     def read(self, max_records: int = 1 << 20) -> ReadResult:
         h = self.seg.hdr
         tail = int(h[L.W_TAIL])  # before the incarnation: see the module invariant
-        inc = self.read_incarnation()
+        # read_incarnation(), whose usual answer is this (an even generation seen before).
+        inc = self._inc if int(h[L.W_INC_GEN]) == self._inc_gen else self.read_incarnation()
         h[L.W_READER_LIVENESS_NS] = time.monotonic_ns()
         result = ReadResult(_NO_RECORDS, inc)
         dropped = int(h[L.W_DROPPED])
@@ -172,7 +173,7 @@ class RingReader:
             out = out[:bad]
             self._advance(tail)
         else:
-            self._advance(head + n)
+            self.head = h[L.W_HEAD] = head + n  # _advance()
         result.records = out
         result.last_seq = base + len(out) - 1
         self.records_read += len(out)
