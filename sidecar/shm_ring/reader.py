@@ -3,7 +3,9 @@
 Imports: stdlib, numpy, posix_ipc (via segment). Invariants: the slot at ring position p of an
 incarnation that started at position s carries seq p - s + 1, so every record is checked against
 its position and a torn or foreign slot is never accepted; the tail is loaded before the
-incarnation so a record is never attributed to an older incarnation than its own.
+incarnation so a record is never attributed to an older incarnation than its own. The copy is
+one C pass when built (_accel.ring_copy: each slot's seq loaded first, with acquire semantics,
+then its payload), else numpy (the reference).
 """
 
 from __future__ import annotations
