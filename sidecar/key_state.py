@@ -22,19 +22,32 @@ _MIN_CAP = 1 << 16  # ~2 MB to start with; smaller made the first 100 k keys re-
 _MEDIUM_SHIFT = np.uint64(16)  # ring meta: the medium index is the u8 at bits 16..23
 
 
-class _Size:
-    """len() and truthiness of a count (what callers ask of `dirty` and `acked`)."""
+class _Dirty:
+    """len() and truthiness of the dirty count, read when asked (what callers ask of `dirty`:
+    an attribute, not a property making an object, since the drain loop asks at every read)."""
 
-    __slots__ = ("n",)
+    __slots__ = ("ks",)
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    def __init__(self, ks: KeyState) -> None:
+        self.ks = ks
 
     def __len__(self) -> int:
-        return self.n
+        return self.ks._ndirty
 
     def __bool__(self) -> bool:
-        return self.n > 0
+        return self.ks._ndirty > 0
+
+
+class _Acked(_Dirty):
+    """The same for the acked count."""
+
+    __slots__ = ()
+
+    def __len__(self) -> int:
+        return self.ks._nacked
+
+    def __bool__(self) -> bool:
+        return self.ks._nacked > 0
 
 
 class Batch:
@@ -440,6 +453,8 @@ class KeyState:
         self._nacked = 0
         self._tiers: list[_Tier] = [_Tier(self, 0)]  # index = medium index
         self._next = 0  # the medium take_batch starts with (round robin between mediums)
+        self.dirty = _Dirty(self)  # len(): (key, medium)s queued to send; truthy while any
+        self.acked = _Acked(self)  # len(): (key, medium)s KVCM has confirmed
 
     def _tier(self, medium: int) -> _Tier:
         while len(self._tiers) <= medium:
@@ -447,13 +462,6 @@ class KeyState:
         return self._tiers[medium]
 
     # ---- views --------------------------------------------------------------------------------
-    @property
-    def dirty(self) -> _Size:
-        return _Size(self._ndirty)
-
-    @property
-    def acked(self) -> _Size:
-        return _Size(self._nacked)
 
     @property
     def mediums(self) -> int:
