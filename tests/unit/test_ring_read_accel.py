@@ -353,3 +353,35 @@ def _read_twice(
             assert got.clears == bool((kinds == L.KIND_CLEARED).any())
             others = meds[kinds != L.KIND_CLEARED]
             assert got.max_medium == (int(others.max()) if len(others) else 0)
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        L.pack_meta(L.KIND_CLEARED),
+        L.pack_meta(L.KIND_STORED, 0, 1),  # another medium
+        L.pack_meta(L.KIND_STORED, 61),  # a group the fold's marks need
+        L.pack_meta(7),  # a kind it does not know
+    ],
+    ids=["clear", "medium", "group", "kind"],
+)
+def test_accel_fold_records_declines_before_any_change(meta: int) -> None:
+    """One record it cannot fold among others: None, and the index and columns untouched (the
+    caller's numpy path then folds the whole batch)."""
+    ks = KeyState((0,))
+    with backend("c"):
+        ks.apply(_records([(L.KIND_STORED, 0, 0, k) for k in range(5)], 1))
+    t = ks._tiers[0]
+    before = (t.n, t.t.idx._tpos.copy(), t.masks.copy(), t.queued.copy(), list(t.queue))
+    recs = _records([(L.KIND_STORED, 0, 0, 10), (L.KIND_REMOVED, 0, 0, 1)], 6)
+    recs = np.concatenate([recs, np.array([[8, 11, meta, 0]], np.uint64)])
+    idx, cols = t.t.idx, t.t.cols
+    assert BUILT is not None
+    got = BUILT.fold_records(
+        recs, idx._tkeys, idx._tpos, idx.keys, idx.n, cols["masks"], cols["acked"],
+        cols["queued"], 1, np.empty(3, np.int64),
+    )  # fmt: skip
+    assert got is None
+    assert t.n == before[0] and np.array_equal(t.t.idx._tpos, before[1])
+    assert np.array_equal(t.masks, before[2]) and np.array_equal(t.queued, before[3])
+    assert [q.tolist() for q in t.queue] == [q.tolist() for q in before[4]]
