@@ -39,7 +39,7 @@ class Incarnation:
     pidns: int
 
 
-@dataclass
+@dataclass(slots=True)
 class ReadResult:
     records: np.ndarray  # (n, 4) uint64 copy: seq, key, meta, parent
     incarnation: Incarnation | None

@@ -31,7 +31,7 @@ class Sync(enum.Enum):
     SYNCED = "synced"
 
 
-@dataclass
+@dataclass(slots=True)
 class StepResult:
     records: int = 0
     resynced: bool = False  # the engine view was replaced by an engine snapshot in this step
