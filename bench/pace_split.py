@@ -110,7 +110,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             }
         proc_init(self, argv, env, **kw)
 
-    pace.Proc.__init__ = init  # type: ignore[method-assign]
+    pace.Proc.__init__ = init  # type: ignore[method-assign,assignment]
     null = pace.Proc([pace.PY, "-m", "bench.null_server", "--record"])
     assert null.p.stdout is not None
     url = null.p.stdout.readline().rsplit(" ", 1)[1].strip()

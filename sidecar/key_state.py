@@ -15,69 +15,102 @@ import numpy as np
 
 from sidecar.shm_ring import compiled
 from sidecar.shm_ring.fold import fold_ops
-from sidecar.shm_ring.key_table import KeyTable, Mover
+from sidecar.shm_ring.key_table import REBUILD_AT, KeyTable, Mover
 from sidecar.shm_ring.layout import KIND_CLEARED
 
 _MIN_CAP = 1 << 16  # ~2 MB to start with; smaller made the first 100 k keys re-index 5 times
 _MEDIUM_SHIFT = np.uint64(16)  # ring meta: the medium index is the u8 at bits 16..23
 
 
-class _Size:
-    """len() and truthiness of a count (what callers ask of `dirty` and `acked`)."""
+class _Dirty:
+    """len() and truthiness of the dirty count, read when asked (what callers ask of `dirty`:
+    an attribute, not a property making an object, since the drain loop asks at every read)."""
 
-    __slots__ = ("n",)
+    __slots__ = ("ks",)
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    def __init__(self, ks: KeyState) -> None:
+        self.ks = ks
 
     def __len__(self) -> int:
-        return self.n
+        return self.ks._ndirty
 
     def __bool__(self) -> bool:
-        return self.n > 0
+        return self.ks._ndirty > 0
+
+
+class _Acked(_Dirty):
+    """The same for the acked count."""
+
+    __slots__ = ()
+
+    def __len__(self) -> int:
+        return self.ks._nacked
+
+    def __bool__(self) -> bool:
+        return self.ks._nacked > 0
 
 
 class Batch:
     """Keys taken for one delta request: adds first, then deletes (the item_results order);
     within each, keys of one medium are contiguous (one run of fixed-width rows per medium)."""
 
-    __slots__ = ("epochs", "keys", "medium", "mediums", "pos", "publish")
+    __slots__ = ("_mediums", "_publish", "epochs", "keys", "medium", "nadd", "pos")
 
     def __init__(
         self,
         keys: np.ndarray,
-        publish: np.ndarray,
+        publish: np.ndarray | None,
         mediums: np.ndarray | None = None,
         pos: np.ndarray | None = None,
         epochs: dict[int, int] | None = None,
+        *,
+        nadd: int = -1,
+        medium: int = -1,
     ) -> None:
         self.keys = keys  # int64 bit patterns
-        self.publish = publish  # bool: ADD (True) or DELETE (False)
-        self.mediums = np.zeros(len(keys), np.uint8) if mediums is None else mediums
+        self._publish = publish  # bool: ADD (True) or DELETE (False); None: from nadd
+        self._mediums = mediums  # None: all `medium` (0 if -1)
         self.pos = pos  # dense positions in each medium's key table (saves a lookup)
         self.epochs = epochs or {}  # medium -> table epoch the positions belong to
-        self.medium = -1  # >= 0: every key is of this medium (take_batch's one-medium batch)
+        self.medium = medium  # >= 0: every key is of this medium (take_batch's one-medium batch)
+        self.nadd = nadd  # >= 0: the first nadd keys are the adds, the rest the deletes
 
     def __len__(self) -> int:
         return len(self.keys)
 
     @property
+    def publish(self) -> np.ndarray:
+        if self._publish is None:
+            self._publish = np.arange(len(self.keys)) < self.nadd
+        return self._publish
+
+    @property
+    def mediums(self) -> np.ndarray:
+        if self._mediums is None:
+            self._mediums = np.full(len(self.keys), max(self.medium, 0), np.uint8)
+        return self._mediums
+
+    @property
     def adds(self) -> np.ndarray:
-        out: np.ndarray = self.keys[self.publish]
+        out: np.ndarray = self.keys[: self.nadd] if self.nadd >= 0 else self.keys[self.publish]
         return out
 
     @property
     def deletes(self) -> np.ndarray:
-        out: np.ndarray = self.keys[~self.publish]
+        out: np.ndarray = self.keys[self.nadd :] if self.nadd >= 0 else self.keys[~self.publish]
         return out
 
     @property
     def add_mediums(self) -> np.ndarray:
+        if self.nadd >= 0 and self._mediums is None:
+            return np.full(self.nadd, max(self.medium, 0), np.uint8)
         out: np.ndarray = self.mediums[self.publish]
         return out
 
     @property
     def delete_mediums(self) -> np.ndarray:
+        if self.nadd >= 0 and self._mediums is None:
+            return np.full(len(self.keys) - self.nadd, max(self.medium, 0), np.uint8)
         out: np.ndarray = self.mediums[~self.publish]
         return out
 
@@ -158,6 +191,55 @@ class _Tier:
             self.ndirty += len(pos)
             o._ndirty += len(pos)
 
+    def _queue_tail(self, pos: np.ndarray) -> None:
+        """Append positions the C loops have just marked queued (mark_dirty's bookkeeping)."""
+        o = self.owner
+        if not o._ndirty:
+            o.dirty_since = o.clock()
+        self.queue.append(pos)
+        self.ndirty += len(pos)
+        o._ndirty += len(pos)
+
+    def fold_records(self, records: np.ndarray) -> bool:
+        """apply_records of (n, 4) ring records, all stored/removed of medium 0, in one C call
+        (_accel.fold_records: find, fold, mark_dirty). False, with nothing folded: a clear,
+        another medium, a re-index due, extra columns, or no such build; the caller's path."""
+        c = compiled.accel
+        fold = getattr(c, "fold_records", None) if c is not None else None  # None: stale build
+        t = self.t
+        idx = t.idx
+        if (
+            fold is None
+            or t.rebuild is not None
+            or len(t.cols) != 3  # another owner's columns (the ZMQ source's) need zeroing too
+            or idx.n + len(records) > idx.cap * REBUILD_AT  # find() would pace a re-index
+        ):
+            return False
+        out = np.empty(len(records), np.int64)
+        cols = t.cols
+        got = fold(
+            records,
+            idx._tkeys,
+            idx._tpos,
+            idx.keys,
+            idx.n,
+            cols["masks"],
+            cols["acked"],
+            cols["queued"],
+            self.owner.required,
+            out,
+        )
+        if got is None:
+            return False
+        idx.n, k, delta = got  # the keys are in even when it declined the fold (k < 0)
+        if k < 0:
+            return False
+        self.published_count += delta
+        self.owner.published_count += delta
+        if k:
+            self._queue_tail(out[:k])
+        return True
+
     def recount(self) -> None:
         new = int(self.published(self.masks[: self.n]).sum())
         self.owner.published_count += new - self.published_count
@@ -215,8 +297,58 @@ class _Tier:
         self.published_count = count
         self.mark_dirty(np.flatnonzero(was != now))
 
+    def _c_take(
+        self, limit: int, pos: np.ndarray, keys: np.ndarray, pub: np.ndarray | None
+    ) -> tuple[int, int]:
+        """take() in one C call (_accel.take_queue) into the given outputs: (taken, adds);
+        `pub` None: adds first, then deletes."""
+        c = compiled.accel
+        assert c is not None
+        cols, q = self.t.cols, self.queue
+        got, adds, done, offset, consumed = c.take_queue(
+            q,
+            cols["masks"],
+            cols["acked"],
+            cols["queued"],
+            self.t.idx.keys,
+            self.owner.required,
+            limit,
+            pos,
+            keys,
+            pub,
+            pub is None,
+        )
+        del q[:done]
+        if offset:
+            q[0] = q[0][offset:]
+        self.ndirty -= consumed
+        self.owner._ndirty -= consumed
+        return got, adds
+
+    def take_batch(self, limit: int) -> Batch | None:
+        """take() as a Batch of this medium alone (adds first), in one C call; None: no build."""
+        c = compiled.accel
+        if c is None or getattr(c, "take_queue", None) is None:
+            return None
+        n = min(limit, self.ndirty)  # each taken key was queued: ndirty bounds them
+        buf = np.empty(2 * n, np.int64)
+        pos, keys = buf[:n], buf[n:]
+        got, adds = self._c_take(n, pos, keys, None)
+        if not got:
+            return _EMPTY
+        if got < n:
+            pos, keys = pos[:got], keys[:got]
+        m = self.medium
+        return Batch(keys, None, None, pos, {m: self.t.epoch}, nadd=adds, medium=m)
+
     def take(self, limit: int) -> tuple[np.ndarray, np.ndarray]:
         """Up to `limit` (positions, publish?) whose state differs from `acked`, oldest first."""
+        c = compiled.accel
+        if c is not None and getattr(c, "take_queue", None) is not None:
+            n = min(limit, self.ndirty)
+            pos, keys, pub = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.bool_)
+            got, _ = self._c_take(n, pos, keys, pub)
+            return pos[:got], pub[:got]
         out_p: list[np.ndarray] = []
         out_pos: list[np.ndarray] = []
         got = 0
@@ -255,6 +387,24 @@ class _Tier:
         self.mark_dirty(p_ok[self.published(self.masks[p_ok]) != pubs[ok]])
         if bad.any():
             self.mark_dirty(self.find(keys[bad], insert=True), front=True)
+
+    def confirm_run(self, pos: np.ndarray, nadd: int) -> bool:
+        """confirm_all() of a batch whose first `nadd` were adds, in one C call
+        (_accel.confirm_run); False: no such build."""
+        c = compiled.accel
+        run = getattr(c, "confirm_run", None) if c is not None else None
+        if run is None:
+            return False
+        out = np.empty(len(pos), np.int64)
+        cols = self.t.cols
+        k, delta = run(
+            pos, nadd, cols["masks"], cols["acked"], cols["queued"], self.owner.required, out
+        )
+        self.nacked += delta
+        self.owner._nacked += delta
+        if k:
+            self._queue_tail(out[:k])
+        return True
 
     def confirm_all(self, pubs: np.ndarray, pos: np.ndarray) -> None:
         """confirm() of a batch that KVCM applied whole, at positions still valid."""
@@ -303,6 +453,8 @@ class KeyState:
         self._nacked = 0
         self._tiers: list[_Tier] = [_Tier(self, 0)]  # index = medium index
         self._next = 0  # the medium take_batch starts with (round robin between mediums)
+        self.dirty = _Dirty(self)  # len(): (key, medium)s queued to send; truthy while any
+        self.acked = _Acked(self)  # len(): (key, medium)s KVCM has confirmed
 
     def _tier(self, medium: int) -> _Tier:
         while len(self._tiers) <= medium:
@@ -310,13 +462,6 @@ class KeyState:
         return self._tiers[medium]
 
     # ---- views --------------------------------------------------------------------------------
-    @property
-    def dirty(self) -> _Size:
-        return _Size(self._ndirty)
-
-    @property
-    def acked(self) -> _Size:
-        return _Size(self._nacked)
 
     @property
     def mediums(self) -> int:
@@ -372,6 +517,8 @@ class KeyState:
         """Fold ring records ((n, 4) uint64 rows: seq, key, meta, parent); the medium index is
         meta bits 16..23 (the source has dropped indexes outside its medium table)."""
         if not len(records):
+            return
+        if self._tiers[0].fold_records(records):  # the common case, in one C call
             return
         kinds = (records[:, 2] & 0xFF).astype(np.uint8)
         start = 0
@@ -442,6 +589,21 @@ class KeyState:
         """Up to `limit` (key, medium)s whose state differs from `acked`, oldest first per
         medium (mediums take turns leading); adds, then deletes, each grouped by medium."""
         tiers = self._tiers
+        dirty: _Tier | None = None
+        for t in tiers:
+            if t.ndirty:
+                if dirty is not None:  # several mediums to take from: the loop below
+                    dirty = None
+                    break
+                dirty = t
+        else:
+            if dirty is None:  # nothing to send
+                self._next = (self._next + 1) % len(tiers)
+                return _EMPTY
+            one = dirty.take_batch(limit) if limit > 0 else None
+            if one is not None:
+                self._next = (self._next + 1) % len(tiers)
+                return one
         parts: list[tuple[int, np.ndarray, np.ndarray]] = []
         got = 0
         for i in range(len(tiers)):
@@ -461,18 +623,16 @@ class KeyState:
             order = np.argsort(~pubs, kind="stable")  # each key once: ADD/DELETE order is free
             pos = pos[order]
             t = tiers[m]
-            one = Batch(
-                t.keys[pos], pubs[order], np.full(len(pos), m, np.uint8), pos, {m: t.t.epoch}
-            )
-            one.medium = m
-            return one
+            nadd = int(np.count_nonzero(pubs))
+            return Batch(t.keys[pos], pubs[order], None, pos, {m: t.t.epoch}, nadd=nadd, medium=m)
         keys = np.concatenate([tiers[m].keys[p] for m, p, _ in parts])
         pos = np.concatenate([p for _m, p, _ in parts])
         pubs = np.concatenate([b for _m, _p, b in parts])
         meds = np.concatenate([np.full(len(p), m, np.uint8) for m, p, _ in parts])
         order = np.lexsort((meds, ~pubs))
         epochs = {m: tiers[m].t.epoch for m, _p, _b in parts}
-        return Batch(keys[order], pubs[order], meds[order], pos[order], epochs)
+        nadd = int(np.count_nonzero(pubs))
+        return Batch(keys[order], pubs[order], meds[order], pos[order], epochs, nadd=nadd)
 
     def confirm(self, sent: Batch, failed: Iterable[int] = ()) -> None:
         """KVCM applied `sent` except the items at `failed` indexes, which go back in front."""
@@ -481,7 +641,8 @@ class KeyState:
         if sent.medium >= 0 and not failed and sent.pos is not None:
             t = self._tier(sent.medium)
             if sent.epochs.get(sent.medium) == t.t.epoch:  # the common case, in fewer calls
-                t.confirm_all(sent.publish, sent.pos)
+                if sent.nadd < 0 or not t.confirm_run(sent.pos, sent.nadd):
+                    t.confirm_all(sent.publish, sent.pos)
                 return
         bad = np.zeros(len(sent), np.bool_)
         bad[sorted(set(failed))] = True

@@ -398,8 +398,9 @@ class Publisher:
         payload: bytes | memoryview
         m = batch.medium
         if 0 <= m < len(d.mediums):  # one medium (the common case): one C call, no selections
+            flags = batch.nadd if batch.nadd >= 0 else batch.publish  # adds first: either form
             payload = W.encode_batch(
-                *self._reporter("delta"), batch.keys, batch.publish, d.mediums[m], self._specs()[m]
+                *self._reporter("delta"), batch.keys, flags, d.mediums[m], self._specs()[m]
             )
         else:
             payload = W.encode_deltas(

@@ -396,39 +396,28 @@ def encode_batch(
     host_ip_port: str,
     storage_type: str,
     keys: np.ndarray,
-    publish: np.ndarray,
+    publish: np.ndarray | int,
     medium: str,
     spec: Spec,
 ) -> bytes | memoryview:
     """encode_deltas of one medium's keys: a BLOCK_ADD for each key whose `publish` is set,
     then a BLOCK_DELETE for each other, each in the given order (so for a batch already
-    ordered adds first, item_results indexes are the batch's). One C call (_wire.c) when the
-    extension has it, else encode_deltas itself."""
+    ordered adds first, item_results indexes are the batch's); `publish` an int n: the first n
+    keys are the adds. One C call (_wire.c) when the extension has it, else encode_deltas."""
+    keys = np.ascontiguousarray(keys, np.int64)
     c = compiled.accel
     body = getattr(c, "delta_body", None) if c is not None else None  # None: a stale build
     if body is None:
-        return encode_deltas(
-            trace_id,
-            instance_id,
-            host_ip_port,
-            storage_type,
-            keys[publish],
-            keys[~publish],
-            medium,
-            spec,
-        )
+        if isinstance(publish, int):
+            adds, deletes = keys[:publish], keys[publish:]
+        else:
+            adds, deletes = keys[publish], keys[~publish]
+        who = (trace_id, instance_id, host_ip_port, storage_type)
+        return encode_deltas(*who, adds, deletes, medium, spec)
     add, delete = _delta_rows(medium, spec.name, spec.uri)
     head = _envelope_head(trace_id, instance_id, host_ip_port, storage_type)
-    out: bytes = body(
-        head,
-        add.row,
-        add.key_col,
-        delete.row,
-        delete.key_col,
-        np.ascontiguousarray(keys, np.int64),
-        np.ascontiguousarray(publish, np.bool_),
-        b"]}",
-    )
+    flags = publish if isinstance(publish, int) else np.ascontiguousarray(publish, np.bool_)
+    out: bytes = body(head, add.row, add.key_col, delete.row, delete.key_col, keys, flags, b"]}")
     return out
 
 

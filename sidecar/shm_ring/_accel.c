@@ -25,7 +25,7 @@
 /* Raised with every change to a signature or behaviour here; compiled.py uses the module only
  * if it equals its own ACCEL_ABI, so a stale in-place build is never called with the wrong
  * arguments (it falls back to the numpy / Python forms instead). */
-#define ACCEL_ABI 17
+#define ACCEL_ABI 18
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 /* Must equal sidecar/shm_ring/layout.py's KIND_STORED / KIND_REMOVED (a test compares). */
 #define KIND_STORED 1
@@ -1585,6 +1585,419 @@ static int kvcm_zmq_add(PyObject *mod) {
 }
 /* ==== end of ZMQ source: fold of decoded batches ============================================ */
 
+/* ---- ring read and key-state take/confirm (issue #26) ----------------------------------- */
+/* At an engine's pace the sidecar reads ~130 records per flush window; with numpy the ring
+ * read, the fold and the dirty queue's take and confirm cost ~40 numpy calls and ~20 Python
+ * frames per window, each several microseconds on the cold caches of a wake-up. These do the
+ * common case in one call each; reader.py / key_state.py keep the numpy forms as the
+ * reference and the fallback (a case these decline, or a build without them). */
+#define KIND_CLEARED 3
+
+/* ring_copy(slots, start, n, base, out) -> (good, clears, max_medium)
+ * Copies the n records at slot indexes start, start + 1, ... (wrapping at the capacity) into
+ * out ((n, 4) u64), checking that record i carries seq base + i; stops at the first that does
+ * not (good = records copied). Each slot's seq is loaded first (acquire), then its payload: the
+ * producer writes the payload, then the seq (release), so a matching seq proves the payload.
+ * clears: 1 if a copied record is a clear; max_medium: the highest medium index of the copied
+ * records that are not clears (0 if none). */
+static PyObject *ring_copy(PyObject *self, PyObject *args) {
+    PyObject *o_slots, *o_out;
+    Py_ssize_t start, n;
+    unsigned long long base;
+    if (!PyArg_ParseTuple(args, "OnnKO", &o_slots, &start, &n, &base, &o_out)) return NULL;
+    Py_buffer vs, vo;
+    if (kvcm_view(o_slots, &vs, 8, 0, "slots") < 0) return NULL;
+    if (kvcm_view(o_out, &vo, 8, 1, "out") < 0) {
+        PyBuffer_Release(&vs);
+        return NULL;
+    }
+    const Py_ssize_t cap = vs.len / 32;
+    if (cap < 1 || (cap & (cap - 1)) || start < 0 || start >= cap || n < 0 || n > cap ||
+        vo.len / 32 < n) {
+        PyErr_SetString(PyExc_ValueError, "ring_copy: arrays do not fit the ring");
+        PyBuffer_Release(&vo);
+        PyBuffer_Release(&vs);
+        return NULL;
+    }
+    uint64_t *slots = vs.buf, *out = vo.buf;
+    const Py_ssize_t mask = cap - 1;
+    Py_ssize_t good = 0;
+    int clears = 0;
+    unsigned max_medium = 0;
+    for (Py_ssize_t i = 0; i < n; i += 2) /* two slots a line: the misses overlap */
+        __builtin_prefetch(slots + 4 * ((start + i) & mask));
+    for (; good < n; good++) {
+        uint64_t *s = slots + 4 * ((start + good) & mask);
+        const uint64_t seq = __atomic_load_n(&s[0], __ATOMIC_ACQUIRE);
+        if (seq != base + (uint64_t)good) break;
+        uint64_t *o = out + 4 * good;
+        const uint64_t meta = s[2];
+        o[0] = seq;
+        o[1] = s[1];
+        o[2] = meta;
+        o[3] = s[3];
+        if ((meta & 0xFF) == KIND_CLEARED)
+            clears = 1;
+        else if (((meta >> 16) & 0xFF) > max_medium)
+            max_medium = (unsigned)((meta >> 16) & 0xFF);
+    }
+    PyBuffer_Release(&vo);
+    PyBuffer_Release(&vs);
+    return Py_BuildValue("nii", good, clears, (int)max_medium);
+}
+
+/* fold_records(records, tkeys, tpos, dense, n, masks, acked, queued, required, out)
+ *   -> None, or (new n, queued, published delta)
+ * KeyTable.find(keys, insert=True) then fold_apply then mark_dirty, for (m, 4) u64 ring
+ * records that are all stored/removed of medium 0 with groups < 61 (else None, before any
+ * change; also None if an array is short or not contiguous: the caller's numpy path). New keys
+ * take positions n, n + 1, ... in first-seen order with zeroed masks/acked/queued (the caller
+ * made sure the index stays below its re-index point). The positions whose published state
+ * changed and were not queued are queued and written to out, in order of first appearance.
+ * queued = -1: a mask carried the fold's marks (bits 61, 62): the keys are in (new n is
+ * right), nothing else changed, the caller folds with numpy. */
+static PyObject *fold_records(PyObject *self, PyObject *args) {
+    PyObject *o_rec, *o_tkeys, *o_tpos, *o_dense, *o_masks, *o_acked, *o_queued, *o_out;
+    Py_ssize_t n;
+    long long required;
+    if (!PyArg_ParseTuple(args, "OOOOnOOOLO", &o_rec, &o_tkeys, &o_tpos, &o_dense, &n, &o_masks,
+                          &o_acked, &o_queued, &required, &o_out))
+        return NULL;
+    Py_buffer vr;
+    if (PyObject_GetBuffer(o_rec, &vr, PyBUF_CONTIG_RO) < 0) { /* a strided view: numpy's */
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    Py_buffer vt, vp, vd, vk, va, vq, vo;
+    PyObject *result = NULL;
+    if (vr.itemsize != 8 || vr.len % 32) goto none0;
+    if (kvcm_view(o_tkeys, &vt, 8, 1, "tkeys") < 0) goto r0;
+    if (kvcm_view(o_tpos, &vp, 8, 1, "tpos") < 0) goto r1;
+    if (kvcm_view(o_dense, &vd, 8, 1, "dense") < 0) goto r2;
+    if (kvcm_view(o_masks, &vk, 8, 1, "masks") < 0) goto r3;
+    if (kvcm_view(o_acked, &va, 1, 1, "acked") < 0) goto r4;
+    if (kvcm_view(o_queued, &vq, 1, 1, "queued") < 0) goto r5;
+    if (kvcm_view(o_out, &vo, 8, 1, "out") < 0) goto r6;
+    const Py_ssize_t m = vr.len / 32, cap = vt.len / 8;
+    const uint64_t *rec = vr.buf;
+    int64_t *tkeys = vt.buf, *tpos = vp.buf, *dense = vd.buf, *masks = vk.buf, *out = vo.buf;
+    uint8_t *acked = va.buf, *queued = vq.buf;
+    const int64_t req = (int64_t)required;
+    if (vp.len != vt.len || (cap & (cap - 1)) || cap < 2 || n < 0 || n + m >= cap ||
+        vd.len / 8 < n + m || vk.len / 8 < n + m || va.len < n + m || vq.len < n + m ||
+        vo.len / 8 < m || (req & (FOLD_TOUCHED | FOLD_WAS)) || req < 0)
+        goto none;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const uint64_t meta = rec[4 * i + 2];
+        const unsigned kind = (unsigned)(meta & 0xFF);
+        if ((kind != KIND_STORED && kind != KIND_REMOVED) || ((meta >> 8) & 0xFF) >= 61 ||
+            ((meta >> 16) & 0xFF) != 0)
+            goto none;
+    }
+    int64_t *pos = PyMem_Malloc(m ? (size_t)m * 8 : 8);
+    if (pos == NULL) {
+        PyErr_NoMemory();
+        goto r7;
+    }
+    int shift = 64;
+    for (Py_ssize_t c = cap; c > 1; c >>= 1) shift--;
+    const uint64_t smask = (uint64_t)cap - 1;
+    int marked = 0;
+    /* The index is cold after the event loop's sleep: a probe per key in turn waits for one
+     * cache miss after another. Their home slots are fetched all at once first. */
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const uint64_t s = ((uint64_t)rec[4 * i + 1] * GOLDEN) >> shift;
+        __builtin_prefetch(&tpos[s]);
+        __builtin_prefetch(&tkeys[s]);
+    }
+    for (Py_ssize_t i = 0; i < m; i++) { /* find(insert=True): n + m < cap, a slot is free */
+        const int64_t key = (int64_t)rec[4 * i + 1];
+        uint64_t s = ((uint64_t)key * GOLDEN) >> shift;
+        for (;;) {
+            const int64_t p = tpos[s];
+            if (p == 0) {
+                tpos[s] = n + 1;
+                tkeys[s] = key;
+                dense[n] = key;
+                masks[n] = 0;
+                acked[n] = 0;
+                queued[n] = 0;
+                pos[i] = n++;
+                break;
+            }
+            if (tkeys[s] == key) {
+                pos[i] = p - 1;
+                break;
+            }
+            s = (s + 1) & smask;
+        }
+    }
+    for (Py_ssize_t i = 0; i < m; i++) { /* the same for the keys' columns */
+        __builtin_prefetch(&masks[pos[i]]);
+        __builtin_prefetch(&queued[pos[i]]);
+    }
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (masks[pos[i]] & (FOLD_TOUCHED | FOLD_WAS)) marked = 1;
+    if (marked) {
+        PyMem_Free(pos);
+        result = Py_BuildValue("nnL", n, (Py_ssize_t)-1, 0LL);
+        goto r7;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) { /* the fold: fold_apply's */
+        const uint64_t meta = rec[4 * i + 2];
+        int64_t v = masks[pos[i]];
+        if (!(v & FOLD_TOUCHED)) v |= FOLD_TOUCHED | (((v & req) == req) ? FOLD_WAS : 0);
+        const int64_t bit = (int64_t)1 << ((meta >> 8) & 0xFF);
+        if ((meta & 0xFF) == KIND_STORED)
+            v |= bit;
+        else
+            v &= ~bit;
+        masks[pos[i]] = v;
+    }
+    Py_ssize_t n_out = 0;
+    long long delta = 0;
+    for (Py_ssize_t i = 0; i < m; i++) { /* the changed, and mark_dirty's filter */
+        const int64_t p = pos[i], v = masks[p];
+        if (!(v & FOLD_TOUCHED)) continue; /* a repeat, already settled */
+        const int64_t low = v & ~(FOLD_TOUCHED | FOLD_WAS);
+        const int was = (v & FOLD_WAS) != 0, now = (low & req) == req;
+        masks[p] = low;
+        if (was != now) {
+            delta += now - was;
+            if (!queued[p]) {
+                queued[p] = 1;
+                out[n_out++] = p;
+            }
+        }
+    }
+    PyMem_Free(pos);
+    result = Py_BuildValue("nnL", n, n_out, delta);
+    goto r7;
+none:
+    result = Py_None;
+    Py_INCREF(result);
+r7:
+    PyBuffer_Release(&vo);
+r6:
+    PyBuffer_Release(&vq);
+r5:
+    PyBuffer_Release(&va);
+r4:
+    PyBuffer_Release(&vk);
+r3:
+    PyBuffer_Release(&vd);
+r2:
+    PyBuffer_Release(&vp);
+r1:
+    PyBuffer_Release(&vt);
+r0:
+    PyBuffer_Release(&vr);
+    return result;
+none0:
+    PyBuffer_Release(&vr);
+    Py_RETURN_NONE;
+}
+
+/* take_queue(queue, masks, acked, queued, dense, required, limit, out_pos, out_keys, out_pub,
+ *            split) -> (taken, adds, chunks done, offset in the next chunk, consumed)
+ * (out_pub may be None with `split`: the first `adds` taken are the adds)
+ * _Tier.take: the dirty queue (a list of int64 position arrays, oldest first) is consumed
+ * position by position (queued[p] = 0) until `limit` positions whose published state
+ * ((masks[p] & required) == required) differs from acked[p] are taken, or it ends. The taken
+ * go to out_pos / out_keys (dense[p]) / out_pub in queue order; with `split`, adds first then
+ * deletes, each in queue order (take_batch's stable order). The caller drops the chunks done
+ * and the first `offset` positions of the next one. The list is not changed here. */
+static PyObject *take_queue(PyObject *self, PyObject *args) {
+    PyObject *o_queue, *o_masks, *o_acked, *o_queued, *o_dense, *o_pos, *o_keys, *o_pub;
+    long long required;
+    Py_ssize_t limit;
+    int split;
+    if (!PyArg_ParseTuple(args, "O!OOOOLnOOOp", &PyList_Type, &o_queue, &o_masks, &o_acked,
+                          &o_queued, &o_dense, &required, &limit, &o_pos, &o_keys, &o_pub,
+                          &split))
+        return NULL;
+    Py_buffer vk, va, vq, vd, vp, vy, vb;
+    PyObject *result = NULL;
+    if (kvcm_view(o_masks, &vk, 8, 0, "masks") < 0) return NULL;
+    if (kvcm_view(o_acked, &va, 1, 0, "acked") < 0) goto t1;
+    if (kvcm_view(o_queued, &vq, 1, 1, "queued") < 0) goto t2;
+    if (kvcm_view(o_dense, &vd, 8, 0, "dense") < 0) goto t3;
+    if (kvcm_view(o_pos, &vp, 8, 1, "out_pos") < 0) goto t4;
+    if (kvcm_view(o_keys, &vy, 8, 1, "out_keys") < 0) goto t5;
+    int no_pub = o_pub == Py_None && split; /* the caller knows: the first `adds` are adds */
+    if (no_pub) {
+        vb.buf = NULL;
+        vb.len = limit;
+        vb.obj = NULL;
+    } else if (kvcm_view(o_pub, &vb, 1, 1, "out_pub") < 0)
+        goto t6;
+    const int64_t *masks = vk.buf, *dense = vd.buf;
+    const uint8_t *acked = va.buf;
+    uint8_t *queued = vq.buf, *opub = vb.buf;
+    int64_t *opos = vp.buf, *okeys = vy.buf;
+    const int64_t req = (int64_t)required;
+    Py_ssize_t cols = vk.len / 8;
+    if (va.len < cols) cols = va.len;
+    if (vq.len < cols) cols = vq.len;
+    if (vd.len / 8 < cols) cols = vd.len / 8;
+    if (limit < 0 || vp.len / 8 < limit || vy.len / 8 < limit || vb.len < limit) {
+        PyErr_SetString(PyExc_ValueError, "take_queue: outputs shorter than the limit");
+        goto t7;
+    }
+    int64_t *dels = NULL; /* split: the deletes' positions, until the adds are all out */
+    if (split && limit) {
+        dels = PyMem_Malloc((size_t)limit * 8);
+        if (dels == NULL) {
+            PyErr_NoMemory();
+            goto t7;
+        }
+    }
+    Py_ssize_t got = 0, adds = 0, ndel = 0, consumed = 0, done = 0, offset = 0;
+    const Py_ssize_t chunks = PyList_GET_SIZE(o_queue);
+    int bad = 0;
+    while (done < chunks && got < limit) {
+        Py_buffer vc;
+        if (kvcm_view(PyList_GET_ITEM(o_queue, done), &vc, 8, 0, "queue") < 0) {
+            bad = 1;
+            break;
+        }
+        const int64_t *c = vc.buf;
+        const Py_ssize_t len = vc.len / 8;
+        for (Py_ssize_t j = 0; j < len && j < 2 * (limit - got); j++) { /* the misses overlap */
+            const int64_t p = c[j];
+            if (p >= 0 && p < cols) {
+                __builtin_prefetch(&masks[p]);
+                __builtin_prefetch(&acked[p]);
+                __builtin_prefetch(&queued[p]);
+                __builtin_prefetch(&dense[p]);
+            }
+        }
+        Py_ssize_t i = 0;
+        for (; i < len && got < limit; i++) {
+            const int64_t p = c[i];
+            if (p < 0 || p >= cols) {
+                PyErr_SetString(PyExc_IndexError, "take_queue: a queued position beyond the columns");
+                bad = 1;
+                break;
+            }
+            queued[p] = 0;
+            consumed++;
+            const int pub = (masks[p] & req) == req;
+            if (pub == (acked[p] != 0)) continue; /* never re-send an unchanged key */
+            got++;
+            if (!split) {
+                opos[got - 1] = p;
+                okeys[got - 1] = dense[p];
+                opub[got - 1] = (uint8_t)pub;
+            } else if (pub) {
+                opos[adds] = p;
+                okeys[adds] = dense[p];
+                if (opub) opub[adds] = 1;
+                adds++;
+            } else {
+                dels[ndel++] = p;
+            }
+        }
+        PyBuffer_Release(&vc);
+        if (bad) break;
+        if (i < len) {
+            offset = i;
+            break;
+        }
+        done++;
+    }
+    if (!bad) {
+        for (Py_ssize_t j = 0; j < ndel; j++) {
+            opos[adds + j] = dels[j];
+            okeys[adds + j] = dense[dels[j]];
+            if (opub) opub[adds + j] = 0;
+        }
+        result = Py_BuildValue("nnnnn", got, split ? adds : (Py_ssize_t)0, done, offset, consumed);
+    }
+    PyMem_Free(dels);
+t7:
+    if (!no_pub) PyBuffer_Release(&vb);
+t6:
+    PyBuffer_Release(&vy);
+t5:
+    PyBuffer_Release(&vp);
+t4:
+    PyBuffer_Release(&vd);
+t3:
+    PyBuffer_Release(&vq);
+t2:
+    PyBuffer_Release(&va);
+t1:
+    PyBuffer_Release(&vk);
+    return result;
+}
+
+/* confirm_run(pos, adds, masks, acked, queued, required, out) -> (queued, acked delta)
+ * _Tier.confirm_all for a batch whose first `adds` positions were sent as adds and the rest
+ * as deletes: acked[p] = sent state; a position whose published state differs from what was
+ * sent (it changed again in flight) and is not queued is queued and written to out, in order. */
+static PyObject *confirm_run(PyObject *self, PyObject *args) {
+    PyObject *o_pos, *o_masks, *o_acked, *o_queued, *o_out;
+    Py_ssize_t adds;
+    long long required;
+    if (!PyArg_ParseTuple(args, "OnOOOLO", &o_pos, &adds, &o_masks, &o_acked, &o_queued,
+                          &required, &o_out))
+        return NULL;
+    Py_buffer vp, vk, va, vq, vo;
+    PyObject *result = NULL;
+    if (kvcm_view(o_pos, &vp, 8, 0, "pos") < 0) return NULL;
+    if (kvcm_view(o_masks, &vk, 8, 0, "masks") < 0) goto c1;
+    if (kvcm_view(o_acked, &va, 1, 1, "acked") < 0) goto c2;
+    if (kvcm_view(o_queued, &vq, 1, 1, "queued") < 0) goto c3;
+    if (kvcm_view(o_out, &vo, 8, 1, "out") < 0) goto c4;
+    const Py_ssize_t m = vp.len / 8;
+    const int64_t *pos = vp.buf, *masks = vk.buf;
+    uint8_t *acked = va.buf, *queued = vq.buf;
+    int64_t *out = vo.buf;
+    const int64_t req = (int64_t)required;
+    Py_ssize_t cols = vk.len / 8;
+    if (va.len < cols) cols = va.len;
+    if (vq.len < cols) cols = vq.len;
+    if (vo.len / 8 < m || adds < 0 || adds > m) {
+        PyErr_SetString(PyExc_ValueError, "confirm_run: arrays do not fit");
+        goto c5;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (pos[i] < 0 || pos[i] >= cols) {
+            PyErr_SetString(PyExc_IndexError, "confirm_run: a position beyond the columns");
+            goto c5;
+        }
+        __builtin_prefetch(&masks[pos[i]]);
+        __builtin_prefetch(&acked[pos[i]]);
+        __builtin_prefetch(&queued[pos[i]]);
+    }
+    Py_ssize_t n_out = 0;
+    long long delta = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const int64_t p = pos[i];
+        const int pub = i < adds;
+        delta += pub - (acked[p] != 0);
+        acked[p] = (uint8_t)pub;
+        if (((masks[p] & req) == req) != pub && !queued[p]) {
+            queued[p] = 1;
+            out[n_out++] = p;
+        }
+    }
+    result = Py_BuildValue("nL", n_out, delta);
+c5:
+    PyBuffer_Release(&vo);
+c4:
+    PyBuffer_Release(&vq);
+c3:
+    PyBuffer_Release(&va);
+c2:
+    PyBuffer_Release(&vk);
+c1:
+    PyBuffer_Release(&vp);
+    return result;
+}
+/* ---- end of ring read and key-state take/confirm ---------------------------------------- */
+
 static PyMethodDef methods[] = {
     {"words", words, METH_O, "words(keys: list) -> array('Q') of KVCM's signed bit pattern"},
     {"put_runs", (PyCFunction)(void (*)(void))put_runs, METH_FASTCALL,
@@ -1596,6 +2009,13 @@ static PyMethodDef methods[] = {
     {"fold_apply", fold_apply, METH_VARARGS,
      "fold_apply(pos, metas, masks, required, out) -> (changed, published delta) or None"},
     {"digits", digits, METH_VARARGS, "digits(buf, at, width, col, keys): 20 decimal digits per key"},
+    /* ring read and key-state take/confirm */
+    {"ring_copy", ring_copy, METH_VARARGS, "ring_copy(slots, start, n, base, out) -> (good, clears, max_medium)"},
+    {"fold_records", fold_records, METH_VARARGS,
+     "fold_records(records, tkeys, tpos, dense, n, masks, acked, queued, required, out) -> (n, queued, delta) or None"},
+    {"take_queue", take_queue, METH_VARARGS,
+     "take_queue(queue, masks, acked, queued, dense, required, limit, pos, keys, pub, split) -> (taken, adds, done, offset, consumed)"},
+    {"confirm_run", confirm_run, METH_VARARGS, "confirm_run(pos, adds, masks, acked, queued, required, out) -> (queued, delta)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1661,6 +2081,7 @@ PyMODINIT_FUNC PyInit__accel(void) {
 #endif
     if (PyModule_AddIntConstant(mod, "KIND_STORED", KIND_STORED) < 0 ||
         PyModule_AddIntConstant(mod, "KIND_REMOVED", KIND_REMOVED) < 0 ||
+        PyModule_AddIntConstant(mod, "KIND_CLEARED", KIND_CLEARED) < 0 ||
         PyModule_AddIntConstant(mod, "W_TAIL", W_TAIL) < 0 ||
         PyModule_AddIntConstant(mod, "W_LAST_SEQ", W_LAST_SEQ) < 0 ||
         PyModule_AddIntConstant(mod, "W_ATTEMPTED", W_ATTEMPTED) < 0 ||

@@ -3,7 +3,9 @@
 Imports: stdlib, numpy, posix_ipc (via segment). Invariants: the slot at ring position p of an
 incarnation that started at position s carries seq p - s + 1, so every record is checked against
 its position and a torn or foreign slot is never accepted; the tail is loaded before the
-incarnation so a record is never attributed to an older incarnation than its own.
+incarnation so a record is never attributed to an older incarnation than its own. The copy is
+one C pass when built (_accel.ring_copy: each slot's seq loaded first, with acquire semantics,
+then its payload), else numpy (the reference).
 """
 
 from __future__ import annotations
@@ -16,8 +18,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sidecar.shm_ring import compiled
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.segment import Segment
+
+_NO_RECORDS = np.empty((0, 4), np.uint64)
+_NO_RECORDS.flags.writeable = False
 
 
 class ReaderConflict(Exception):
@@ -33,7 +39,7 @@ class Incarnation:
     pidns: int
 
 
-@dataclass
+@dataclass(slots=True)
 class ReadResult:
     records: np.ndarray  # (n, 4) uint64 copy: seq, key, meta, parent
     incarnation: Incarnation | None
@@ -41,6 +47,11 @@ class ReadResult:
     dropped: int = 0  # records the producer dropped since the previous read
     gap: bool = False  # a slot failed validation; the rest of the published range was skipped
     anomalies: list[str] = field(default_factory=list)
+    last_seq: int = 0  # the seq of the last record (when there are records)
+    # What the records hold, when the read could tell (the C copy): the highest medium index of
+    # a record that is not a clear (255: not known), and whether any is a clear.
+    max_medium: int = 255
+    clears: bool = True
 
 
 class RingReader:
@@ -112,9 +123,10 @@ class RingReader:
     def read(self, max_records: int = 1 << 20) -> ReadResult:
         h = self.seg.hdr
         tail = int(h[L.W_TAIL])  # before the incarnation: see the module invariant
-        inc = self.read_incarnation()
+        # read_incarnation(), whose usual answer is this (an even generation seen before).
+        inc = self._inc if int(h[L.W_INC_GEN]) == self._inc_gen else self.read_incarnation()
         h[L.W_READER_LIVENESS_NS] = time.monotonic_ns()
-        result = ReadResult(np.empty((0, 4), np.uint64), inc)
+        result = ReadResult(_NO_RECORDS, inc)
         dropped = int(h[L.W_DROPPED])
         if dropped != self.dropped_seen:
             result.dropped = max(dropped - self.dropped_seen, 0)
@@ -137,25 +149,35 @@ class RingReader:
         if n == 0:
             return result
         start = head & self._mask
-        first = min(n, self.capacity - start)
         out = np.empty((n, 4), np.uint64)
-        out[:first] = self.seg.slots[start : start + first]
-        if first < n:
-            out[first:] = self.seg.slots[: n - first]
         base = head - inc.start_pos + 1
-        good = out[:, L.C_SEQ] == np.arange(base, base + n, dtype=np.uint64)
-        if not good.all():
-            bad = int(np.argmin(good))
+        c = compiled.accel
+        copy = getattr(c, "ring_copy", None) if c is not None and base >= 1 else None
+        if copy is not None:  # one pass in C; None: no build, or a stale one
+            got, clears, result.max_medium = copy(self.seg.slots, start, n, base, out)
+            result.clears = bool(clears)
+            bad = got if got < n else -1
+        else:
+            first = min(n, self.capacity - start)
+            out[:first] = self.seg.slots[start : start + first]
+            if first < n:
+                out[first:] = self.seg.slots[: n - first]
+            good = out[:, L.C_SEQ] == np.arange(base, base + n, dtype=np.uint64)
+            bad = -1 if good.all() else int(np.argmin(good))
+        if bad >= 0:
+            # The C copy stops before the bad slot: its seq is read again, for the message.
+            row = out[bad] if copy is None else self.seg.slots[(head + bad) & self._mask]
+            seq = int(row[L.C_SEQ])
             result.anomalies.append(
-                f"slot seq mismatch at position {head + bad}: "
-                f"seq={int(out[bad, L.C_SEQ])} expected={base + bad}"
+                f"slot seq mismatch at position {head + bad}: seq={seq} expected={base + bad}"
             )
             result.gap = True
             out = out[:bad]
             self._advance(tail)
         else:
-            self._advance(head + n)
+            self.head = h[L.W_HEAD] = head + n  # _advance()
         result.records = out
+        result.last_seq = base + len(out) - 1
         self.records_read += len(out)
         return result
 

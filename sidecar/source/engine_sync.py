@@ -31,7 +31,7 @@ class Sync(enum.Enum):
     SYNCED = "synced"
 
 
-@dataclass
+@dataclass(slots=True)
 class StepResult:
     records: int = 0
     resynced: bool = False  # the engine view was replaced by an engine snapshot in this step
@@ -107,7 +107,7 @@ class EngineSync:
         records = res.records
         out.records = len(records)
         if len(records):
-            self.last_seq = int(records[-1, L.C_SEQ])
+            self.last_seq = res.last_seq
         if self.status is Sync.WAITING:
             self._buffer.append(records)
             self._buffered += len(records)
@@ -115,6 +115,8 @@ class EngineSync:
             if self.status is Sync.WAITING and self._buffered > 4 * self.reader.capacity:
                 # The engine writes but does not answer: do not hold an unbounded backlog.
                 self.request("buffer_overflow")
+        elif res.max_medium < self.n_mediums:  # the read saw no unknown medium: nothing to drop
+            self.keys.apply(records)
         else:
             self.keys.apply(self._known(records))
         return out

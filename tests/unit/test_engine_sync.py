@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from sidecar.key_state import KeyState
 from sidecar.shm_ring import layout as L
@@ -10,6 +11,9 @@ from sidecar.shm_ring.reader import RingReader
 from sidecar.shm_ring.segment import Segment
 from sidecar.shm_ring.writer import RingWriter
 from sidecar.source.engine_sync import EngineSync, StepResult, Sync
+
+# Over the C ring read and fold (sidecar/shm_ring/_accel.c) and their numpy forms.
+pytestmark = pytest.mark.usefixtures("accel_backend")
 
 
 def test_engine_sync_unanswered_snapshot_backlog_is_bounded(ring_name: str) -> None:
@@ -40,6 +44,37 @@ def test_engine_sync_records_of_an_unknown_medium_are_dropped_and_counted(ring_n
     kept = sync._known(recs)
     assert kept[:, 1].tolist() == [100, 101, 103]  # a clear names no medium: never dropped
     assert sync.unknown_medium == 1
+    sync.reader.close()
+    writer.close()
+
+
+def test_engine_sync_step_folds_clears_and_mediums_and_drops_unknown_ones(ring_name: str) -> None:
+    """Through step() (the read's flags decide whether records are filtered): a clear splits
+    the batch, each known medium is folded, an unknown medium's records are dropped, counted."""
+    writer = RingWriter(Segment(ring_name, 64))
+    sync = EngineSync(RingReader(Segment(ring_name)), KeyState())
+    sync.status, sync.boot_id, sync.n_mediums = Sync.SYNCED, writer.boot_id, 2
+    sync._first = False
+    ops = [
+        (L.KIND_STORED, 0, 1),
+        (L.KIND_STORED, 1, 2),
+        (L.KIND_CLEARED, 0, 3),
+        (L.KIND_STORED, 0, 4),
+        (L.KIND_STORED, 1, 5),
+        (L.KIND_STORED, 7, 6),  # no medium 7 in the table
+        (L.KIND_REMOVED, 1, 5),
+        (L.KIND_STORED, 1, 8),
+    ]
+    keys = np.array([k for *_x, k in ops], np.int64)
+    writer.write(keys, np.array([L.pack_meta(kd, 0, m) for kd, m, _k in ops], np.uint64))
+    assert sync.step().records == len(ops)
+    assert sync.keys.published_keys(0).tolist() == [4]
+    assert sync.keys.published_keys(1).tolist() == [8]
+    assert sync.unknown_medium == 1 and sync.keys.mediums == 2
+    writer.write(keys[:2], np.array([L.pack_meta(L.KIND_STORED, 0, 0)] * 2, np.uint64))
+    sync.step()  # medium 0 only: the C fold's case
+    assert sorted(sync.keys.published_keys(0).tolist()) == [1, 2, 4]
+    assert sync.last_seq == len(ops) + 2 and sync.unknown_medium == 1
     sync.reader.close()
     writer.close()
 

@@ -192,10 +192,15 @@ def test_encode_batch_is_encode_deltas_of_its_adds_then_deletes(
     got = W.encode_batch(*who, keys, pub, medium, spec)
     assert bytes(got) == want
     assert isinstance(got, bytes) == (getattr(compiled.accel, "delta_body", None) is not None)
+    # The batch form take_batch gives: adds first, `nadd` of them (an int for the flags).
+    order = np.argsort(~pub, kind="stable")
+    nadd = int(pub.sum())
+    assert bytes(W.encode_batch(*who, keys[order], nadd, medium, spec)) == want
     saved = compiled.accel
     try:
         compiled.accel = None
         assert bytes(W.encode_batch(*who, keys, pub, medium, spec)) == want
+        assert bytes(W.encode_batch(*who, keys[order], nadd, medium, spec)) == want
     finally:
         compiled.accel = saved
 
