@@ -416,6 +416,10 @@ def paced(system: str, rate: int, a: argparse.Namespace, root: Path | None) -> d
             source = "ring" if system == "hook" else "zmq"
             side = Sidecar(a.base, source, spec, root or ROOT, _side_env(a, root))
             side.until(lambda s: s["state"] == "READY" and s.get("registered"))
+        # The arrivals start afresh: the run before may have sent its keys once more as it shut
+        # down (a delta in flight then goes back to the dirty queue and out again), and the
+        # runs of one rate draw the same keys.
+        _get(f"{a.base}/debug/arrivals")
         eng.send(f"go {side.proc.p.pid if side else 0}")
         eng.line()  # measuring
         s0 = _get(f"{a.base}/debug/stats")
