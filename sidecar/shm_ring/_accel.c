@@ -25,7 +25,7 @@
 /* Raised with every change to a signature or behaviour here; compiled.py uses the module only
  * if it equals its own ACCEL_ABI, so a stale in-place build is never called with the wrong
  * arguments (it falls back to the numpy / Python forms instead). */
-#define ACCEL_ABI 17
+#define ACCEL_ABI 18
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 /* Must equal sidecar/shm_ring/layout.py's KIND_STORED / KIND_REMOVED (a test compares). */
 #define KIND_STORED 1
@@ -1604,6 +1604,8 @@ static PyMethodDef methods[] = {
 int kvcm_rekey_add(PyObject *mod);
 /* A delta request's body (kvcm_client/wire.py encode_batch) lives in _wire.c. */
 int kvcm_wire_add(PyObject *mod);
+/* A key-state tier's group bits at known positions (key_state.py apply_bits_at): _bits.c. */
+int kvcm_bits_add(PyObject *mod);
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_accel", NULL, -1, methods};
 
@@ -1676,7 +1678,7 @@ PyMODINIT_FUNC PyInit__accel(void) {
         Py_DECREF(mod);
         return NULL;
     }
-    if (kvcm_rekey_add(mod) < 0 || kvcm_wire_add(mod) < 0) {
+    if (kvcm_rekey_add(mod) < 0 || kvcm_wire_add(mod) < 0 || kvcm_bits_add(mod) < 0) {
         Py_DECREF(mod);
         return NULL;
     }
