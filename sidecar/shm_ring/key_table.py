@@ -104,15 +104,18 @@ class KeyTable:
         unless the index could not take that many; then the distinct ones, counted exactly (a
         repeat is no new key: counted as one it would finish a re-index in one call, or start
         one needlessly; an estimate that counts too few would let the index fill)."""
+        idx = self.idx
         if not insert:
-            return self.idx.find(ukeys, insert=False)
+            return idx.find(ukeys, insert=False)
         incoming = len(ukeys)
-        if self.idx.crowded(incoming):
-            incoming = distinct(ukeys)
-        self._reindex_step(incoming)
-        pos = self.idx.find(ukeys)
-        if self.idx.n > self._room:  # new positions' entries are zero already (see above)
-            self._fit(self.idx.n)
+        if self.rebuild is not None or idx.n + incoming > idx.cap * REBUILD_AT:
+            if idx.crowded(incoming):  # (past 70 % only beyond REBUILD_AT)
+                incoming = distinct(ukeys)
+            self._reindex_step(incoming)
+            idx = self.idx
+        pos = idx.find(ukeys)
+        if idx.n > self._room:  # new positions' entries are zero already (see above)
+            self._fit(idx.n)
         return pos
 
     def _fit(self, size: int) -> None:
