@@ -91,10 +91,13 @@ static PyObject *bits_apply(PyObject *self, PyObject *const *args, Py_ssize_t na
         delta += now_pub - was_pub;
         if (was_pub != now_pub && !queued[p]) out[k++] = p;
     }
-    for (Py_ssize_t i = 0; i < m; i++) masks[pos[i]] = fresh[i];
-    for (Py_ssize_t j = 0; j < k; j++) queued[out[j]] = 1;
-    if (fresh != stack) PyMem_Free(fresh);
+    /* The answer before the writes: once the columns change, nothing may fail. */
     result = Py_BuildValue("nL", k, delta);
+    if (result != NULL) {
+        for (Py_ssize_t i = 0; i < m; i++) masks[pos[i]] = fresh[i];
+        for (Py_ssize_t j = 0; j < k; j++) queued[out[j]] = 1;
+    }
+    if (fresh != stack) PyMem_Free(fresh);
 e6:
     PyBuffer_Release(&vo);
 e5:
