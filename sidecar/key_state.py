@@ -269,6 +269,25 @@ class _Tier:
         self.apply_bits_at(self.find(ukeys, insert=True), set_m, clr_m)
 
     def apply_bits_at(self, pos: np.ndarray, set_m: np.ndarray, clr_m: np.ndarray) -> None:
+        """Clear then set group bits at positions (repeats: each entry sees the masks before the
+        call, the last write wins): in one C pass (_accel.bits_apply), else numpy."""
+        c = compiled.accel
+        bits = getattr(c, "bits_apply", None) if c is not None else None  # None: a stale build
+        if bits is not None:
+            cols, o = self.t.cols, self.owner
+            out = np.empty(len(pos), np.int64)  # fresh: the queue keeps it
+            got = bits(pos, set_m, clr_m, cols["masks"], cols["queued"], o.required, out)
+            if got is not None:  # None: not int64 / contiguous / in the table: numpy's turn
+                k, delta = got
+                self.published_count += delta
+                o.published_count += delta
+                if k:  # mark_dirty's bookkeeping (C has set queued at out[:k])
+                    if not o._ndirty:
+                        o.dirty_since = o.clock()
+                    self.queue.append(out[:k])
+                    self.ndirty += k
+                    o._ndirty += k
+                return
         old = self.masks[pos]
         new = (old & ~clr_m) | set_m
         self.masks[pos] = new
@@ -557,7 +576,9 @@ class KeyState:
     ) -> None:
         """As apply_bits, for distinct positions already found in `table(medium)`."""
         if len(pos):
-            self._tier(medium).apply_bits_at(pos, set_m, clr_m)
+            tiers = self._tiers
+            t = tiers[medium] if medium < len(tiers) else self._tier(medium)
+            t.apply_bits_at(pos, set_m, clr_m)
 
     def clear_current(self) -> None:
         """The engine's cache is empty (a clear, a new engine incarnation, a forget)."""

@@ -2024,6 +2024,8 @@ static PyMethodDef methods[] = {
 int kvcm_rekey_add(PyObject *mod);
 /* A delta request's body (kvcm_client/wire.py encode_batch) lives in _wire.c. */
 int kvcm_wire_add(PyObject *mod);
+/* A key-state tier's group bits at known positions (key_state.py apply_bits_at): _bits.c. */
+int kvcm_bits_add(PyObject *mod);
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_accel", NULL, -1, methods};
 
@@ -2097,7 +2099,7 @@ PyMODINIT_FUNC PyInit__accel(void) {
         Py_DECREF(mod);
         return NULL;
     }
-    if (kvcm_rekey_add(mod) < 0 || kvcm_wire_add(mod) < 0) {
+    if (kvcm_rekey_add(mod) < 0 || kvcm_wire_add(mod) < 0 || kvcm_bits_add(mod) < 0) {
         Py_DECREF(mod);
         return NULL;
     }

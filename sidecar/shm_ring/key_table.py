@@ -11,6 +11,12 @@ keys move per call (~2-3 ms each), then one switch moves the columns (~17 ms at 
 a one-shot rebuild held the caller ~100 ms). It completes at once only if the old index reaches
 70 % first. Keys live when the rebuild started keep their order; keys inserted or revived
 meanwhile follow them.
+
+Every column is zero at positions >= n: columns are born zeroed (np.zeros, fit's zero-filled
+copy, the rebuild's arrays, into which _switch writes positions < the new n only), they are
+replaced only here, and their writers touch positions find/locate returned or [:n] slices. So a
+new position's entries are zero without a write, and find() does nothing to the columns unless
+they must grow.
 """
 
 from __future__ import annotations
@@ -62,12 +68,13 @@ class KeyTable:
         self.cols: dict[str, np.ndarray] = {
             name: np.zeros(len(self.idx.keys), dt) for name, dt in columns.items()
         }
+        self._room = len(self.idx.keys)  # positions every column holds
         self.rebuild: _Rebuild | None = None
         self.on_move: Callable[[Mover], None] | None = None  # owners holding positions
 
     def add_column(self, name: str, dtype: type, live: bool = True) -> np.ndarray:
         """A new zeroed column (also in a re-index under way); `live`: nonzero keeps a key."""
-        self.cols[name] = np.zeros(len(self.cols[next(iter(self.cols))]), dtype)
+        self.cols[name] = np.zeros(self._room, dtype)
         if self.rebuild is not None:
             self.rebuild.cols[name] = np.zeros(len(self.rebuild.idx.keys), dtype)
         if live:
@@ -97,18 +104,26 @@ class KeyTable:
         unless the index could not take that many; then the distinct ones, counted exactly (a
         repeat is no new key: counted as one it would finish a re-index in one call, or start
         one needlessly; an estimate that counts too few would let the index fill)."""
+        idx = self.idx
         if not insert:
-            return self.idx.find(ukeys, insert=False)
+            return idx.find(ukeys, insert=False)
         incoming = len(ukeys)
-        if self.idx.crowded(incoming):
-            incoming = distinct(ukeys)
-        self._reindex_step(incoming)
-        before = self.idx.n
-        pos = self.idx.find(ukeys)
-        for name, col in self.cols.items():
-            col = self.cols[name] = fit(col, self.idx.n)
-            col[before : self.idx.n] = 0
+        if self.rebuild is not None or idx.n + incoming > idx.cap * REBUILD_AT:
+            if idx.crowded(incoming):  # (past 70 % only beyond REBUILD_AT)
+                incoming = distinct(ukeys)
+            self._reindex_step(incoming)
+            idx = self.idx
+        pos = idx.find(ukeys)
+        if idx.n > self._room:  # new positions' entries are zero already (see above)
+            self._fit(idx.n)
         return pos
+
+    def _fit(self, size: int) -> None:
+        """Every column to at least `size` entries (fit: a zero-filled copy, twice as long)."""
+        cols = self.cols
+        for name, col in cols.items():
+            cols[name] = fit(col, size)
+        self._room = min(len(c) for c in cols.values())
 
     def locate(self, ukeys: np.ndarray) -> np.ndarray:
         """find(insert=True) for keys that are usually all present (a commit of what was sent):
@@ -182,6 +197,7 @@ class KeyTable:
             col = self.cols[name] = fit(rb.cols[name], len(rb.idx.keys))
             col[:k] = old[kept]
             col[k : k + len(missing)] = old[missing]
+        self._room = min(len(c) for c in self.cols.values())
         self.idx = rb.idx
         self.epoch += 1
         if self.on_move is not None:
