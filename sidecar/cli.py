@@ -390,14 +390,32 @@ async def run_kvcm_server(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with asyncio.TaskGroup() as tg:
-        lease = tg.create_task(cluster.run(), name="lease") if cluster is not None else None
+    if cluster is None:
         await stop.wait()
-        if lease is not None:
-            lease.cancel()
+    else:
+        lease = asyncio.create_task(cluster.run(), name="lease")
+        stopping = asyncio.create_task(stop.wait(), name="stop")
+        await asyncio.wait({lease, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if lease.done():
+            stopping.cancel()
+            lease.result()  # the lease loop crashed: exit with its error (it never returns)
+        log.info("kvcm cluster shutdown: stopping the lease loop")
+        lease.cancel()
+        # Bounded, as below: a Redis command that will not end must not hold the exit.
+        await asyncio.wait({lease}, timeout=max(cluster.lease_s, 2.0))
     if cluster is not None:
-        await server.save_blocks()  # what changed since the last save, while still the leader
-        await cluster.release()  # before the listeners close: a follower takes over at once
+        # Bounded: each Redis command may be retried on a timeout (redis-py's default Retry),
+        # so a Redis slow to answer could hold a SIGTERM for tens of seconds (once seen under a
+        # loaded test run: a node still running 20 s after it); past the budget the node exits
+        # without them, as if killed (the lease runs out, the last periodic save stands).
+        budget = max(cluster.lease_s, 2.0)
+        log.info("kvcm cluster shutdown: saving blocks, releasing the lease budget_s=%.1f", budget)
+        try:
+            async with asyncio.timeout(budget):
+                await server.save_blocks()  # what changed since the last save, while leader
+                await cluster.release()  # before the listeners close: a follower takes over
+        except TimeoutError:
+            log.warning("kvcm cluster shutdown: save/release unfinished after %.1f s", budget)
     for runner in runners:
         await runner.cleanup()
 
