@@ -180,23 +180,18 @@ class _Tier:
         """Queue the positions not queued yet: last in line, or first (`front`, for retries)."""
         pos = pos[~self.queued[pos]]
         if len(pos):
-            o = self.owner
-            if not o._ndirty:
-                o.dirty_since = o.clock()
             self.queued[pos] = True
-            if front:
-                self.queue.insert(0, pos)
-            else:
-                self.queue.append(pos)
-            self.ndirty += len(pos)
-            o._ndirty += len(pos)
+            self._enqueue(pos, front)
 
-    def _queue_tail(self, pos: np.ndarray) -> None:
-        """Append positions the C loops have just marked queued (mark_dirty's bookkeeping)."""
+    def _enqueue(self, pos: np.ndarray, front: bool = False) -> None:
+        """Queue positions already marked queued (by mark_dirty, or by the C loops)."""
         o = self.owner
         if not o._ndirty:
             o.dirty_since = o.clock()
-        self.queue.append(pos)
+        if front:
+            self.queue.insert(0, pos)
+        else:
+            self.queue.append(pos)
         self.ndirty += len(pos)
         o._ndirty += len(pos)
 
@@ -237,7 +232,7 @@ class _Tier:
         self.published_count += delta
         self.owner.published_count += delta
         if k:
-            self._queue_tail(out[:k])
+            self._enqueue(out[:k])
         return True
 
     def recount(self) -> None:
@@ -281,12 +276,8 @@ class _Tier:
                 k, delta = got
                 self.published_count += delta
                 o.published_count += delta
-                if k:  # mark_dirty's bookkeeping (C has set queued at out[:k])
-                    if not o._ndirty:
-                        o.dirty_since = o.clock()
-                    self.queue.append(out[:k])
-                    self.ndirty += k
-                    o._ndirty += k
+                if k:  # C has set queued at out[:k]
+                    self._enqueue(out[:k])
                 return
         old = self.masks[pos]
         new = (old & ~clr_m) | set_m
@@ -422,7 +413,7 @@ class _Tier:
         self.nacked += delta
         self.owner._nacked += delta
         if k:
-            self._queue_tail(out[:k])
+            self._enqueue(out[:k])
         return True
 
     def confirm_all(self, pubs: np.ndarray, pos: np.ndarray) -> None:

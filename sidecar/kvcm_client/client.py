@@ -219,9 +219,7 @@ class KvcmClient:
         t0 = time.perf_counter()
         lean = self._lean_for(base)
         held = self.hold if hold and lean is not None else None
-        if held is not None:
-            held.last_s = 0.0
-            # At least half the timeout is left for the answer after the hold.
+        if held is not None:  # at least half the timeout is left for the answer after it
             held.start(time.monotonic() + timeout_s / 2)
         try:
             async with asyncio.timeout(timeout_s):
@@ -242,8 +240,7 @@ class KvcmClient:
             return _failed("connect", str(exc)[:200], t0, held)
         except (aiohttp.ClientError, OSError) as exc:
             return _failed("transport", repr(exc)[:200], t0, held)
-        held_s = held.last_s if held is not None else 0.0
-        latency_s = time.perf_counter() - t0 - held_s
+        latency_s, held_s = _timing(t0, held)
         if status // 100 != 2:
             action, reason = classify_http(status)
             message = body[:200].decode(errors="replace")
@@ -253,8 +250,13 @@ class KvcmClient:
         return result
 
 
+def _timing(t0: float, held: Hold | None) -> tuple[float, float]:
+    """(latency without the hold, the hold) of a request begun at t0."""
+    held_s = held.last_s if held is not None else 0.0
+    return time.perf_counter() - t0 - held_s, held_s
+
+
 def _failed(reason: str, message: str, t0: float, held: Hold | None = None) -> Result:
     """No answer to act on: retried (timeouts and broken connections are ambiguous)."""
-    held_s = held.last_s if held is not None else 0.0
-    latency_s = time.perf_counter() - t0 - held_s
+    latency_s, held_s = _timing(t0, held)
     return Result(Action.RETRY, reason, message, latency_s=latency_s, held_s=held_s)

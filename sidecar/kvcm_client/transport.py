@@ -109,7 +109,7 @@ class Hold:
     def start(self, deadline: float) -> None:
         """A request begins: a poke from now on ends its hold (even one before it waits);
         its hold ends by `deadline` (monotonic) at the latest."""
-        self.since, self.deadline = self.signals, deadline
+        self.since, self.deadline, self.last_s = self.signals, deadline, 0.0
 
     def poke(self) -> None:
         self.signals += 1
