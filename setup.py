@@ -19,7 +19,7 @@ setup(
                 "sidecar/shm_ring/_wire.c",
                 "sidecar/shm_ring/_bits.c",
             ],
-            depends=["sidecar/shm_ring/rolling.h"],
+            depends=["sidecar/shm_ring/rolling.h", "sidecar/shm_ring/digits.h"],
             optional=True,
         ),
     ]

@@ -20,17 +20,38 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "digits.h"
 #include "rolling.h"
 
 /* Raised with every change to a signature or behaviour here; compiled.py uses the module only
  * if it equals its own ACCEL_ABI, so a stale in-place build is never called with the wrong
  * arguments (it falls back to the numpy / Python forms instead). */
-#define ACCEL_ABI 19
+#define ACCEL_ABI 20
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 /* Must equal sidecar/shm_ring/layout.py's KIND_STORED / KIND_REMOVED (a test compares). */
 #define KIND_STORED 1
 #define KIND_REMOVED 2
 
+
+/* One key's probe, linear from its home slot: its dense position; absent, -1 (not inserting)
+ * or the next position *n, inserted there (*n grows); -2 when every slot is used and none
+ * holds it. `mask` is slots - 1, `shift` 64 - log2(slots). */
+static inline int64_t index_probe(int64_t key, int64_t *tkeys, int64_t *tpos, int64_t *dense,
+                                  Py_ssize_t *n, uint64_t mask, int shift, int insert) {
+    uint64_t s = ((uint64_t)key * GOLDEN) >> shift;
+    for (uint64_t probes = 0; probes <= mask; probes++, s = (s + 1) & mask) {
+        const int64_t p = tpos[s];
+        if (p == 0) {
+            if (!insert) return -1;
+            tpos[s] = *n + 1; /* an empty slot: fewer than cap keys, room for one more */
+            tkeys[s] = key;
+            dense[*n] = key;
+            return (*n)++;
+        }
+        if (tkeys[s] == key) return p - 1;
+    }
+    return -2;
+}
 
 /* find(ukeys, tkeys, tpos, dense, out, n, insert) -> the new n, or -1 - n if the index is full
  * (the keys before the one that found no slot are in).
@@ -62,33 +83,11 @@ static PyObject *find(PyObject *self, PyObject *args) {
     for (Py_ssize_t c = cap; c > 1; c >>= 1) shift--;
     Py_ssize_t full = 0;
     for (Py_ssize_t i = 0; i < m; i++) {
-        const int64_t key = keys[i];
-        uint64_t s = ((uint64_t)key * GOLDEN) >> shift;
-        Py_ssize_t probes = 0;
-        for (;;) {
-            const int64_t p = tpos[s];
-            if (p == 0) {
-                if (!insert) {
-                    out[i] = -1;
-                } else { /* an empty slot: fewer than cap keys, room for one more */
-                    tpos[s] = n + 1;
-                    tkeys[s] = key;
-                    dense[n] = key;
-                    out[i] = n++;
-                }
-                break;
-            }
-            if (tkeys[s] == key) {
-                out[i] = p - 1;
-                break;
-            }
-            if (++probes >= cap) { /* every slot used and none holds the key */
-                full = 1;
-                break;
-            }
-            s = (s + 1) & mask;
+        out[i] = index_probe(keys[i], tkeys, tpos, dense, &n, mask, shift, insert);
+        if (out[i] == -2) { /* every slot used and none holds the key */
+            full = 1;
+            break;
         }
-        if (full) break;
     }
     PyBuffer_Release(&vo);
     PyBuffer_Release(&vd);
@@ -1136,6 +1135,50 @@ static PyObject *roll_list(PyObject *self, PyObject *args) {
  * ~30 numpy calls per read (~100 us for the ~100 records of an engine at a low pace). */
 #define FOLD_TOUCHED ((int64_t)1 << 62)
 #define FOLD_WAS ((int64_t)1 << 61)
+
+/* The fold's first pass: each record's group bit set (stored) or cleared (removed) in order;
+ * a key's mask is marked touched, and was-published, at its first record. metas[i * stride]
+ * is record i's meta (1: a metas column; 4: the meta word of (n, 4) ring records). */
+static inline void fold_mark(int64_t *masks, const int64_t *pos, const uint64_t *metas,
+                             Py_ssize_t stride, Py_ssize_t m, int64_t req) {
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const uint64_t meta = metas[i * stride];
+        int64_t v = masks[pos[i]];
+        if (!(v & FOLD_TOUCHED)) v |= FOLD_TOUCHED | (((v & req) == req) ? FOLD_WAS : 0);
+        const int64_t bit = (int64_t)1 << ((meta >> 8) & 0xFF);
+        if ((meta & 0xFF) == KIND_STORED)
+            v |= bit;
+        else
+            v &= ~bit;
+        masks[pos[i]] = v;
+    }
+}
+
+/* The second pass: each touched key settled once (its marks dropped); one whose published
+ * state flipped counts in *delta and goes to out, first appearance first; with `queued`, only
+ * if not queued yet, and it is marked queued (mark_dirty's filter). Returns how many went. */
+static inline Py_ssize_t fold_settle(int64_t *masks, const int64_t *pos, Py_ssize_t m,
+                                     int64_t req, uint8_t *queued, int64_t *out,
+                                     long long *delta) {
+    Py_ssize_t n_out = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const int64_t p = pos[i], v = masks[p];
+        if (!(v & FOLD_TOUCHED)) continue; /* a repeat, already settled */
+        const int64_t low = v & ~(FOLD_TOUCHED | FOLD_WAS);
+        const int was = (v & FOLD_WAS) != 0, now = (low & req) == req;
+        masks[p] = low;
+        if (was != now) {
+            *delta += now - was;
+            if (queued == NULL) {
+                out[n_out++] = p;
+            } else if (!queued[p]) {
+                queued[p] = 1;
+                out[n_out++] = p;
+            }
+        }
+    }
+    return n_out;
+}
 static PyObject *fold_apply(PyObject *self, PyObject *args) {
     PyObject *o_pos, *o_metas, *o_masks, *o_out;
     long long required;
@@ -1174,29 +1217,9 @@ static PyObject *fold_apply(PyObject *self, PyObject *args) {
             goto f4;
         }
     }
-    for (Py_ssize_t i = 0; i < m; i++) {
-        int64_t v = masks[pos[i]];
-        if (!(v & FOLD_TOUCHED)) v |= FOLD_TOUCHED | (((v & req) == req) ? FOLD_WAS : 0);
-        const int64_t bit = (int64_t)1 << ((metas[i] >> 8) & 0xFF);
-        if ((metas[i] & 0xFF) == KIND_STORED)
-            v |= bit;
-        else
-            v &= ~bit;
-        masks[pos[i]] = v;
-    }
-    Py_ssize_t n_out = 0;
+    fold_mark(masks, pos, metas, 1, m, req);
     long long delta = 0;
-    for (Py_ssize_t i = 0; i < m; i++) {
-        const int64_t v = masks[pos[i]];
-        if (!(v & FOLD_TOUCHED)) continue; /* a repeat, already settled */
-        const int64_t low = v & ~(FOLD_TOUCHED | FOLD_WAS);
-        const int was = (v & FOLD_WAS) != 0, now = (low & req) == req;
-        masks[pos[i]] = low;
-        if (was != now) {
-            out[n_out++] = pos[i];
-            delta += now - was;
-        }
-    }
+    const Py_ssize_t n_out = fold_settle(masks, pos, m, req, NULL, out, &delta);
     result = Py_BuildValue("nL", n_out, delta);
 f4:
     PyBuffer_Release(&vo);
@@ -1232,13 +1255,7 @@ static PyObject *digits(PyObject *self, PyObject *args) {
     }
     const uint64_t *keys = vk.buf;
     char *row = (char *)vb.buf + at + col;
-    for (Py_ssize_t i = 0; i < n; i++, row += width) {
-        uint64_t v = keys[i];
-        for (int d = 19; d >= 0; d--) {
-            row[d] = (char)('0' + (v % 10));
-            v /= 10;
-        }
-    }
+    for (Py_ssize_t i = 0; i < n; i++, row += width) kvcm_put20(row, keys[i]);
     PyBuffer_Release(&vk);
     PyBuffer_Release(&vb);
     Py_RETURN_NONE;
@@ -1711,25 +1728,12 @@ static PyObject *fold_records(PyObject *self, PyObject *args) {
         __builtin_prefetch(&tkeys[s]);
     }
     for (Py_ssize_t i = 0; i < m; i++) { /* find(insert=True): n + m < cap, a slot is free */
-        const int64_t key = (int64_t)rec[4 * i + 1];
-        uint64_t s = ((uint64_t)key * GOLDEN) >> shift;
-        for (;;) {
-            const int64_t p = tpos[s];
-            if (p == 0) {
-                tpos[s] = n + 1;
-                tkeys[s] = key;
-                dense[n] = key;
-                masks[n] = 0;
-                acked[n] = 0;
-                queued[n] = 0;
-                pos[i] = n++;
-                break;
-            }
-            if (tkeys[s] == key) {
-                pos[i] = p - 1;
-                break;
-            }
-            s = (s + 1) & smask;
+        const Py_ssize_t before = n;
+        pos[i] = index_probe((int64_t)rec[4 * i + 1], tkeys, tpos, dense, &n, smask, shift, 1);
+        if (n != before) { /* new: its columns start zeroed */
+            masks[before] = 0;
+            acked[before] = 0;
+            queued[before] = 0;
         }
     }
     for (Py_ssize_t i = 0; i < m; i++) { /* the same for the keys' columns */
@@ -1743,33 +1747,9 @@ static PyObject *fold_records(PyObject *self, PyObject *args) {
         result = Py_BuildValue("nnL", n, (Py_ssize_t)-1, 0LL);
         goto r7;
     }
-    for (Py_ssize_t i = 0; i < m; i++) { /* the fold: fold_apply's */
-        const uint64_t meta = rec[4 * i + 2];
-        int64_t v = masks[pos[i]];
-        if (!(v & FOLD_TOUCHED)) v |= FOLD_TOUCHED | (((v & req) == req) ? FOLD_WAS : 0);
-        const int64_t bit = (int64_t)1 << ((meta >> 8) & 0xFF);
-        if ((meta & 0xFF) == KIND_STORED)
-            v |= bit;
-        else
-            v &= ~bit;
-        masks[pos[i]] = v;
-    }
-    Py_ssize_t n_out = 0;
+    fold_mark(masks, pos, rec + 2, 4, m, req); /* fold_apply's passes */
     long long delta = 0;
-    for (Py_ssize_t i = 0; i < m; i++) { /* the changed, and mark_dirty's filter */
-        const int64_t p = pos[i], v = masks[p];
-        if (!(v & FOLD_TOUCHED)) continue; /* a repeat, already settled */
-        const int64_t low = v & ~(FOLD_TOUCHED | FOLD_WAS);
-        const int was = (v & FOLD_WAS) != 0, now = (low & req) == req;
-        masks[p] = low;
-        if (was != now) {
-            delta += now - was;
-            if (!queued[p]) {
-                queued[p] = 1;
-                out[n_out++] = p;
-            }
-        }
-    }
+    const Py_ssize_t n_out = fold_settle(masks, pos, m, req, queued, out, &delta);
     PyMem_Free(pos);
     result = Py_BuildValue("nnL", n, n_out, delta);
     goto r7;

@@ -11,13 +11,8 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Write `v` as exactly 20 zero-padded decimal digits (KVCM reads block_key as unsigned text). */
-static void put20(char *out, uint64_t v) {
-    for (int d = 19; d >= 0; d--) {
-        out[d] = (char)('0' + (v % 10));
-        v /= 10;
-    }
-}
+#include "digits.h"
+
 
 /* Copy the rows of keys [lo, hi) whose publish flag equals `want` (every one of them when
  * `pub` is NULL), each `row` with the key's digits at `col`; returns the write position. */
@@ -27,7 +22,7 @@ static char *put_rows(char *at, const uint64_t *keys, const uint8_t *pub, Py_ssi
     for (Py_ssize_t i = lo; i < hi; i++) {
         if (pub != NULL && (pub[i] != 0) != want) continue;
         memcpy(at, row, (size_t)width);
-        put20(at + col, keys[i]);
+        kvcm_put20(at + col, keys[i]);
         at += width;
     }
     return at;

@@ -157,7 +157,14 @@ def test_accel_is_built_from_the_current_source() -> None:
     # module: the tests would pass or fail for code that is not in the tree.
     assert accel is not None and accel.__file__ is not None
     built = Path(accel.__file__)
-    for name in ("_accel.c", "_rekey.c", "_bits.c", "rolling.h"):  # the module's sources (setup.py)
+    for name in (
+        "_accel.c",
+        "_rekey.c",
+        "_wire.c",
+        "_bits.c",
+        "rolling.h",
+        "digits.h",
+    ):  # the module's sources (setup.py)
         src = Path(key_index.__file__).with_name(name)
         if src.is_file() and built.parent == src.parent:
             assert built.stat().st_mtime >= src.stat().st_mtime, f"rebuild {name}: scripts/test"
