@@ -85,10 +85,55 @@ def as_sidecar() -> None:
         Path(os.environ["PACE_SPLIT_OUT"]).write_text(json.dumps(totals))
 
     atexit.register(dump)
+    if os.environ.get("PACE_SPLIT_CALLS"):
+        _count_calls(totals, float(os.environ["PACE_SPLIT_CALLS"]))
     from sidecar.cli import main
 
     sys.argv = ["kvcm-sidecar", "run"]
     main()
+
+
+def _count_calls(totals: dict[str, list[int]], after_s: float) -> None:
+    """From `after_s` into the run, for 2 s, count every Python and C call on the event loop's
+    thread (sys.setprofile): the steady state's inventory of what a window runs. Calls are
+    counted, not timed (the profiler's own cost would swamp the times)."""
+    import asyncio
+
+    counts: dict[str, int] = {}
+
+    def prof(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            c = frame.f_code
+            k = f"{c.co_filename.rsplit('/', 2)[-2:][-1]}:{c.co_firstlineno} {c.co_qualname}"
+        elif event == "c_call":
+            k = f"C {getattr(arg, '__qualname__', arg)}"
+        else:
+            return
+        counts[k] = counts.get(k, 0) + 1
+
+    async def window() -> None:
+        await asyncio.sleep(after_s)
+        sys.setprofile(prof)
+        await asyncio.sleep(2.0)
+        sys.setprofile(None)
+        for k, n in counts.items():
+            totals[f"_calls {k}"] = [n, 1]
+
+    import uvloop
+
+    real_run = uvloop.run
+
+    def run_with(main: Any, **kw: Any) -> Any:
+        async def both() -> Any:
+            task = asyncio.ensure_future(window())
+            try:
+                return await main
+            finally:
+                task.cancel()
+
+        return real_run(both(), **kw)
+
+    uvloop.run = run_with  # the CLI runs the daemon under uvloop.run
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
@@ -107,6 +152,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 **(env or {}),
                 "PACE_SPLIT_FUNCTIONS": ",".join(dict.fromkeys(functions)),
                 "PACE_SPLIT_OUT": str(totals_file),
+                "PACE_SPLIT_CALLS": str(a.calls_after if a.calls else ""),
             }
         proc_init(self, argv, env, **kw)
 
@@ -135,7 +181,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         for k, (ns, c) in sorted(totals.items(), key=lambda kv: -kv[1][0])
         if not k.startswith("_")
     }
+    calls = {
+        k.split(" ", 1)[1]: n
+        for k, (n, _c) in sorted(totals.items(), key=lambda kv: -kv[1][0])
+        if k.startswith("_calls ")
+    }
     return {
+        "calls_2s": calls,
         "source": a.source,
         "rate": a.rate,
         "seconds": a.seconds,
@@ -155,6 +207,12 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=5000)
     ap.add_argument("--seconds", type=float, default=12.0)
     ap.add_argument("--functions", default="", help="module:Qual.name,... (default: the source's)")
+    ap.add_argument(
+        "--calls",
+        action="store_true",
+        help="also count every call on the loop's thread for 2 s of the steady state",
+    )
+    ap.add_argument("--calls-after", type=float, default=5.0, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pace_split.json"))
     a = ap.parse_args()
     out = run(a)
@@ -169,6 +227,14 @@ def main() -> None:
             f"  {k:45s} {r['calls']:6d} calls {r['us_per_call']:8.1f} us/call "
             f"{r['us_per_window']:8.1f} us/window"
         )
+    if out["calls_2s"]:
+        total = sum(out["calls_2s"].values())
+        w = 2.0 * out["windows"] / a.seconds
+        print(
+            f"calls in 2 s of the steady state (~{w:.0f} windows): {total} ({total / w:.0f}/window)"
+        )
+        for k, n in list(out["calls_2s"].items())[:80]:
+            print(f"  {n / w:7.1f}/window  {k}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
 

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+import socket
 import time
+from typing import Any
 from urllib.parse import urlsplit
 
 
@@ -30,58 +33,87 @@ def supported(endpoint: str) -> bool:
     return u.scheme == "http" and bool(u.hostname) and not u.query and not u.username
 
 
-class _Conn(asyncio.Protocol):
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
+_READ = 1 << 18  # bytes per recv: an answer is small; a snapshot's fits in a few
+
+
+class _Conn:
+    """One keep-alive connection: a non-blocking socket that the client reads and writes
+    itself, not an asyncio transport. Nothing watches it while it is idle or its answer is
+    held, so an answer's arrival never wakes the process; a read first takes what the socket
+    holds (at engine pace the answer is there: one recv, no turn of the loop), and only when
+    nothing is there does it wait for the socket to become readable."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
         self.buf = bytearray()
-        self.waiter: asyncio.Future[None] | None = None
         self.closed = False
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+    def reusable(self) -> bool:
+        """An idle connection may carry the next request: nothing unread, not closed by the
+        peer meanwhile (a peek: EOF or stray bytes mean no)."""
+        if self.closed or self.buf:
+            return False
+        try:
+            self.sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        return False
 
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        self._wake()
-
-    def eof_received(self) -> bool | None:
-        self.closed = True
-        self._wake()
-        return None
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self._wake()
-
-    def _wake(self) -> None:
-        w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+    def send(self, head: bytes, body: bytes | memoryview) -> memoryview | None:
+        """Write what the socket takes now; the rest (None: all sent) for `sock_sendall`."""
+        try:
+            n = self.sock.sendmsg([head, body])
+        except BlockingIOError:
+            n = 0
+        except OSError as exc:
+            raise TransportFailed(f"send failed: {exc!r}") from None
+        if n == len(head) + len(body):
+            return None
+        return memoryview(head + bytes(body))[n:]  # rare: a body larger than the socket takes
 
     async def more(self) -> bool:
-        """Wait for more bytes; False once the peer closed and nothing new came."""
+        """Read more bytes, waiting for them if none are there; False once the peer closed
+        (or reset) and nothing new came."""
         if self.closed:
             return False
-        n = len(self.buf)
-        self.waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self.waiter
-        finally:
-            self.waiter = None
-        return len(self.buf) > n or not self.closed
+        while True:
+            try:
+                data = self.sock.recv(_READ)
+            except BlockingIOError:
+                await _readable(self.sock)
+                continue
+            except OSError:
+                self.closed = True
+                return False
+            if not data:
+                self.closed = True
+                return False
+            self.buf += data
+            return True
 
     def close(self) -> None:
         self.closed = True
-        if self.transport is not None:
-            self.transport.close()
+        self.sock.close()
 
     def abort(self) -> None:
-        """Close now, dropping unsent bytes: close() waits to flush them, so a peer that stops
-        reading (a hung manager, a partition) kept every abandoned request's connection and
-        body (a 5.8 MB snapshot each, fds climbing: issue #25's soak)."""
-        self.closed = True
-        if self.transport is not None:
-            self.transport.abort()
+        """Close now: a socket's close() drops what this process has not handed to the kernel;
+        the kernel's share goes with the orphaned socket (no fd or body kept here: a peer that
+        stops reading, a hung manager or a partition, once kept every abandoned request's
+        connection and body, issue #25's soak)."""
+        self.close()
+
+
+async def _readable(sock: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+    fd = sock.fileno()
+    loop.add_reader(fd, _wake, fut)
+    try:
+        await fut
+    finally:
+        loop.remove_reader(fd)
 
 
 class Hold:
@@ -89,11 +121,11 @@ class Hold:
 
     On this kind of VM each wake-up of the event loop costs ~0.2 ms of CPU however little it
     does, and at engine pace a flush window took two: the source's read at the window's end
-    (which sends the delta) and the answer ~1 ms later. A held request pauses its connection's
-    reading once it is sent; the answer is read at the next `poke()` (the daemon pokes on every
-    `work` signal: the next window's source read, which wakes the loop anyway) or after
-    `hold_s`, whichever comes first. Only the moment KVCM's answer is read moves (acked, the
-    next delta after it); KVCM gets every request as soon as before."""
+    (which sends the delta) and the answer ~1 ms later. A held request's answer stays in its
+    socket, unwatched (_Conn), once the request is sent; it is read at the next `poke()` (the
+    daemon pokes on every `work` signal: the next window's source read, which wakes the loop
+    anyway) or after `hold_s`, whichever comes first. Only the moment KVCM's answer is read
+    moves (acked, the next delta after it); KVCM gets every request as soon as before."""
 
     def __init__(self, hold_s: float) -> None:
         self.hold_s = hold_s
@@ -119,16 +151,11 @@ class Hold:
             w.set_result(None)
 
     async def wait(self, conn: _Conn) -> None:
-        t = conn.transport
         t0 = time.monotonic()
         hold_s = min(self.hold_s, self.deadline - t0)
-        if t is None or conn.closed or t.is_closing() or hold_s <= 0 or self.signals != self.since:
+        if conn.closed or hold_s <= 0 or self.signals != self.since:
             return
         loop = asyncio.get_running_loop()
-        try:
-            t.pause_reading()
-        except RuntimeError:  # closed under us (uvloop): read as usual, which sees it closed
-            return
         self.held += 1
         self._waiter = w = loop.create_future()
         self.conn = conn
@@ -139,9 +166,6 @@ class Hold:
             timer.cancel()
             self._waiter, self.conn = None, None
             self.last_s = time.monotonic() - t0
-            if not conn.closed and not t.is_closing():
-                with contextlib.suppress(RuntimeError):  # closed meanwhile: the read sees it
-                    t.resume_reading()
 
 
 def _wake(w: asyncio.Future[None]) -> None:
@@ -165,6 +189,11 @@ class Http1:
         self._host_header = f"Host: {netloc}\r\n"
         self._idle: list[_Conn] = []
         self._closed = False
+        self._literal: list[tuple[Any, ...]] = []  # an IP address needs no resolver thread
+        with contextlib.suppress(ValueError):
+            ip = ipaddress.ip_address(self.host)
+            family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+            self._literal = [(family, socket.SOCK_STREAM, 0, "", (self.host, self.port))]
 
     def close(self) -> None:
         """Close the idle connections; one in use is closed when its request ends."""
@@ -176,15 +205,32 @@ class Http1:
     async def _connect(self) -> _Conn:
         while self._idle:
             c = self._idle.pop()
-            if not c.closed and not c.buf:
+            if c.reusable():
                 return c
             c.close()
         loop = asyncio.get_running_loop()
-        try:
-            _t, conn = await loop.create_connection(_Conn, self.host, self.port)
-        except OSError as exc:
-            raise ConnectFailed(str(exc)) from None
-        return conn
+        infos = self._literal
+        if not infos:  # a name: resolved per connection (the manager's address may move)
+            try:
+                infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                raise ConnectFailed(str(exc)) from None
+        error: OSError = ConnectFailed(f"no address for {self.host}")
+        for family, kind, proto, _name, addr in infos:
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                await loop.sock_connect(sock, addr)
+            except OSError as exc:
+                sock.close()
+                error = exc
+                continue
+            except BaseException:  # cancelled (the caller's timeout) while connecting
+                sock.close()
+                raise
+            return _Conn(sock)
+        raise ConnectFailed(str(error)) from None
 
     async def post(
         self, path: str, body: bytes | memoryview, max_bytes: int, hold: Hold | None = None
@@ -196,8 +242,9 @@ class Http1:
                 f"POST {self.prefix}{path} HTTP/1.1\r\n{self._host_header}"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
             ).encode()
-            assert conn.transport is not None
-            conn.transport.writelines([head, body])
+            rest = conn.send(head, body)
+            if rest is not None:
+                await asyncio.get_running_loop().sock_sendall(conn.sock, rest)
             if hold is not None:
                 await hold.wait(conn)
             status, out, keep = await _response(conn, max_bytes)

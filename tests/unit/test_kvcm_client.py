@@ -443,7 +443,7 @@ async def test_lean_hold_skipped_after_a_poke_since_the_request_began() -> None:
     """A poke that came while the request was still connecting (the loop woke for new work)
     ends its hold before it begins; so does a deadline already past (the request's timeout
     keeps at least half for the answer): the answer is read as it comes."""
-    server, url, _wrote = await _prompt_server()
+    server, url, wrote = await _prompt_server()
     lean, hold = Http1(url), Hold(60.0)
     try:
         hold.start(time.monotonic() + 60)
@@ -454,7 +454,9 @@ async def test_lean_hold_skipped_after_a_poke_since_the_request_began() -> None:
         got = await asyncio.wait_for(lean.post("/api/reportEvent", b"{}", 4096, hold), 10)
         assert got == (200, _Prompt.BODY) and hold.held == 0
         hold.start(time.monotonic() + 60)
+        wrote.clear()
         task = asyncio.create_task(lean.post("/api/reportEvent", b"{}", 4096, hold))
+        await asyncio.wait_for(wrote.wait(), 10)  # sent (the hold begins as it is sent)
         for _ in range(50):
             await asyncio.sleep(0)
         assert not task.done() and hold.held == 1  # held as usual once nothing poked
@@ -469,13 +471,12 @@ async def test_lean_hold_skipped_after_a_poke_since_the_request_began() -> None:
 async def test_lean_closed_client_keeps_no_connection_of_a_request_in_flight() -> None:
     """close() (the leader moved) closes the idle connections; one in use by a request then
     in flight is closed when that request ends, not kept idle to the old leader."""
-    server, url, _wrote = await _prompt_server()
+    server, url, wrote = await _prompt_server()
     lean, hold = Http1(url), Hold(60.0)
     try:
         hold.start(time.monotonic() + 60)
         task = asyncio.create_task(lean.post("/api/reportEvent", b"{}", 4096, hold))
-        for _ in range(50):
-            await asyncio.sleep(0)
+        await asyncio.wait_for(wrote.wait(), 10)  # sent (the hold begins as it is sent)
         assert hold.conn is not None
         conn = hold.conn
         lean.close()
