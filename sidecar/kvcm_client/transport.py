@@ -71,7 +71,9 @@ class _Conn:
             raise TransportFailed(f"send failed: {exc!r}") from None
         if n == len(head) + len(body):
             return None
-        return memoryview(head + bytes(body))[n:]  # rare: a body larger than the socket takes
+        if n >= len(head):  # a body larger than the socket takes (a snapshot): no copy of it
+            return memoryview(body)[n - len(head) :]
+        return memoryview(head[n:] + bytes(body))
 
     async def more(self) -> bool:
         """Read more bytes, waiting for them if none are there; False once the peer closed
@@ -94,15 +96,12 @@ class _Conn:
             return True
 
     def close(self) -> None:
+        """Close now, also after a failure: what this process has not handed to the kernel is
+        dropped, the kernel's share goes with the orphaned socket, so no fd or body is kept (a
+        peer that stops reading, a hung manager or a partition, once kept every abandoned
+        request's connection and body: issue #25's soak)."""
         self.closed = True
         self.sock.close()
-
-    def abort(self) -> None:
-        """Close now: a socket's close() drops what this process has not handed to the kernel;
-        the kernel's share goes with the orphaned socket (no fd or body kept here: a peer that
-        stops reading, a hung manager or a partition, once kept every abandoned request's
-        connection and body, issue #25's soak)."""
-        self.close()
 
 
 async def _readable(sock: socket.socket) -> None:
@@ -249,7 +248,7 @@ class Http1:
                 await hold.wait(conn)
             status, out, keep = await _response(conn, max_bytes)
         except BaseException:
-            conn.abort()
+            conn.close()
             raise
         if keep and not conn.closed and not conn.buf and not self._closed:
             self._idle.append(conn)
