@@ -142,6 +142,7 @@ class _Tier:
         )
         self.t.on_move = self._move_queue
         self.queue: list[np.ndarray] = []  # dense positions, in the order they became dirty
+        self._ring_out: np.ndarray | None = None  # fold_ring's output, kept between calls
         self.ndirty = 0
         self.nacked = 0
 
@@ -234,6 +235,54 @@ class _Tier:
         if k:
             self._enqueue(out[:k])
         return True
+
+    def fold_ring(
+        self, hdr: memoryview, slots: np.ndarray, head: int, base: int, gen: int, dropped: int
+    ) -> int:
+        """A steady-state ring read folded in, in one C call (_accel.ring_fold: the reader's
+        checks, ring_copy and fold_records): records read (W_HEAD advanced), or -1 with
+        nothing read (a check failed, a clear, another medium, no such build: the caller's
+        path reads them; keys already inserted stay, as fold_records leaves them)."""
+        c = compiled.accel
+        fold = getattr(c, "ring_fold", None) if c is not None else None  # None: stale build
+        t = self.t
+        idx = t.idx
+        if fold is None or t.rebuild is not None or len(t.cols) != 3:
+            return -1  # as fold_records: a paced re-index, or another owner's columns
+        out = self._ring_out
+        if out is None or len(out) < len(slots):
+            out = self._ring_out = np.empty(len(slots), np.int64)  # once: the ring's capacity
+        cols = t.cols
+        got = fold(
+            hdr,
+            slots,
+            head,
+            base,
+            gen,
+            dropped,
+            int(idx.cap * REBUILD_AT) - idx.n,  # find() would pace a re-index past it
+            idx._tkeys,
+            idx._tpos,
+            idx.keys,
+            idx.n,
+            cols["masks"],
+            cols["acked"],
+            cols["queued"],
+            self.owner.required,
+            out,
+        )
+        if got is None:
+            return -1
+        if got == 0:
+            return 0
+        m, idx.n, k, delta = got  # the keys are in even when it declined the fold (k < 0)
+        if k < 0:
+            return -1
+        self.published_count += delta
+        self.owner.published_count += delta
+        if k:
+            self._enqueue(out[:k].copy())  # the queue keeps it; `out` is used again
+        return int(m)
 
     def recount(self) -> None:
         new = int(self.published(self.masks[: self.n]).sum())
@@ -537,6 +586,12 @@ class KeyState:
             self.clear_current()
             start = c + 1
         self._apply_segment(records[start:])
+
+    def fold_ring(
+        self, hdr: memoryview, slots: np.ndarray, head: int, base: int, gen: int, dropped: int
+    ) -> int:
+        """_Tier.fold_ring of medium 0: records read from the ring and folded, or -1."""
+        return self._tiers[0].fold_ring(hdr, slots, head, base, gen, dropped)
 
     def _apply_segment(self, records: np.ndarray) -> None:
         if not len(records):

@@ -222,11 +222,14 @@ class KvcmClient:
         if held is not None:  # at least half the timeout is left for the answer after it
             held.start(time.monotonic() + timeout_s / 2)
         try:
-            async with asyncio.timeout(timeout_s):
-                if lean is not None:
-                    path = f"/api/{route}"
-                    status, body = await lean.post(path, payload, self.max_response_bytes, held)
-                else:
+            if lean is not None:  # its own deadline: a timer only for a wait that suspends
+                deadline = asyncio.get_running_loop().time() + timeout_s
+                path = f"/api/{route}"
+                status, body = await lean.post(
+                    path, payload, self.max_response_bytes, held, deadline
+                )
+            else:
+                async with asyncio.timeout(timeout_s):
                     async with self.session.post(
                         f"{base}/api/{route}",
                         data=payload,

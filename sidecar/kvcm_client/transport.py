@@ -47,6 +47,10 @@ class _Conn:
         self.sock = sock
         self.buf = bytearray()
         self.closed = False
+        # loop.time() by which the request in progress must end (None: no bound): only a wait
+        # that really suspends sets a timer for it (at engine pace none does: one timer fewer
+        # per request)
+        self.deadline: float | None = None
 
     def reusable(self) -> bool:
         """An idle connection may carry the next request: nothing unread, not closed by the
@@ -84,7 +88,8 @@ class _Conn:
             try:
                 data = self.sock.recv(_READ)
             except BlockingIOError:
-                await _readable(self.sock)
+                async with asyncio.timeout_at(self.deadline):
+                    await _readable(self.sock)
                 continue
             except OSError:
                 self.closed = True
@@ -201,12 +206,16 @@ class Http1:
             c.close()
         self._idle.clear()
 
-    async def _connect(self) -> _Conn:
+    async def _connect(self, deadline: float | None) -> _Conn:
         while self._idle:
             c = self._idle.pop()
             if c.reusable():
                 return c
             c.close()
+        async with asyncio.timeout_at(deadline):
+            return await self._open()
+
+    async def _open(self) -> _Conn:
         loop = asyncio.get_running_loop()
         infos = self._literal
         if not infos:  # a name: resolved per connection (the manager's address may move)
@@ -232,10 +241,17 @@ class Http1:
         raise ConnectFailed(str(error)) from None
 
     async def post(
-        self, path: str, body: bytes | memoryview, max_bytes: int, hold: Hold | None = None
+        self,
+        path: str,
+        body: bytes | memoryview,
+        max_bytes: int,
+        hold: Hold | None = None,
+        deadline: float | None = None,
     ) -> tuple[int, bytes]:
-        """`hold`: leave the answer unread until the hold ends (Hold)."""
-        conn = await self._connect()
+        """`hold`: leave the answer unread until the hold ends (Hold). `deadline` (loop.time(),
+        None: none): TimeoutError once it passes (a hold ends by its own deadline, Hold.start)."""
+        conn = await self._connect(deadline)
+        conn.deadline = deadline
         try:
             head = (
                 f"POST {self.prefix}{path} HTTP/1.1\r\n{self._host_header}"
@@ -243,7 +259,8 @@ class Http1:
             ).encode()
             rest = conn.send(head, body)
             if rest is not None:
-                await asyncio.get_running_loop().sock_sendall(conn.sock, rest)
+                async with asyncio.timeout_at(deadline):
+                    await asyncio.get_running_loop().sock_sendall(conn.sock, rest)
             if hold is not None:
                 await hold.wait(conn)
             status, out, keep = await _response(conn, max_bytes)

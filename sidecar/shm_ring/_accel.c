@@ -19,6 +19,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include "digits.h"
 #include "rolling.h"
@@ -26,7 +27,7 @@
 /* Raised with every change to a signature or behaviour here; compiled.py uses the module only
  * if it equals its own ACCEL_ABI, so a stale in-place build is never called with the wrong
  * arguments (it falls back to the numpy / Python forms instead). */
-#define ACCEL_ABI 20
+#define ACCEL_ABI 21
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 /* Must equal sidecar/shm_ring/layout.py's KIND_STORED / KIND_REMOVED (a test compares). */
 #define KIND_STORED 1
@@ -1673,6 +1674,65 @@ static PyObject *ring_copy(PyObject *self, PyObject *args) {
  * changed and were not queued are queued and written to out, in order of first appearance.
  * queued = -1: a mask carried the fold's marks (bits 61, 62): the keys are in (new n is
  * right), nothing else changed, the caller folds with numpy. */
+/* fold_records' checks of the records: all stored/removed, of medium 0, groups < 61. */
+static inline int fold_records_ok(const uint64_t *rec, Py_ssize_t m) {
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const uint64_t meta = rec[4 * i + 2];
+        const unsigned kind = (unsigned)(meta & 0xFF);
+        if ((kind != KIND_STORED && kind != KIND_REMOVED) || ((meta >> 8) & 0xFF) >= 61 ||
+            ((meta >> 16) & 0xFF) != 0)
+            return 0;
+    }
+    return 1;
+}
+
+/* The fold of fold_records / ring_fold, for m checked records (fold_records_ok) and an index
+ * with room (n + m < cap): 0 done (*n, *n_out, *delta set), 1 declined with the keys in (a
+ * mask carried the fold's marks: *n set, nothing else changed), -1 out of memory (raised). */
+static int fold_core(const uint64_t *rec, Py_ssize_t m, int64_t *tkeys, int64_t *tpos,
+                     int64_t *dense, Py_ssize_t *n, Py_ssize_t cap, int64_t *masks,
+                     uint8_t *acked, uint8_t *queued, int64_t req, int64_t *out,
+                     Py_ssize_t *n_out, long long *delta) {
+    int64_t *pos = PyMem_Malloc(m ? (size_t)m * 8 : 8);
+    if (pos == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int shift = 64;
+    for (Py_ssize_t c = cap; c > 1; c >>= 1) shift--;
+    const uint64_t smask = (uint64_t)cap - 1;
+    /* The index is cold after the event loop's sleep: a probe per key in turn waits for one
+     * cache miss after another. Their home slots are fetched all at once first. */
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const uint64_t s = ((uint64_t)rec[4 * i + 1] * GOLDEN) >> shift;
+        __builtin_prefetch(&tpos[s]);
+        __builtin_prefetch(&tkeys[s]);
+    }
+    for (Py_ssize_t i = 0; i < m; i++) { /* find(insert=True): n + m < cap, a slot is free */
+        const Py_ssize_t before = *n;
+        pos[i] = index_probe((int64_t)rec[4 * i + 1], tkeys, tpos, dense, n, smask, shift, 1);
+        if (*n != before) { /* new: its columns start zeroed */
+            masks[before] = 0;
+            acked[before] = 0;
+            queued[before] = 0;
+        }
+    }
+    for (Py_ssize_t i = 0; i < m; i++) { /* the same for the keys' columns */
+        __builtin_prefetch(&masks[pos[i]]);
+        __builtin_prefetch(&queued[pos[i]]);
+    }
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (masks[pos[i]] & (FOLD_TOUCHED | FOLD_WAS)) {
+            PyMem_Free(pos);
+            return 1;
+        }
+    fold_mark(masks, pos, rec + 2, 4, m, req); /* fold_apply's passes */
+    *delta = 0;
+    *n_out = fold_settle(masks, pos, m, req, queued, out, delta);
+    PyMem_Free(pos);
+    return 0;
+}
+
 static PyObject *fold_records(PyObject *self, PyObject *args) {
     PyObject *o_rec, *o_tkeys, *o_tpos, *o_dense, *o_masks, *o_acked, *o_queued, *o_out;
     Py_ssize_t n;
@@ -1697,61 +1757,17 @@ static PyObject *fold_records(PyObject *self, PyObject *args) {
     if (kvcm_view(o_out, &vo, 8, 1, "out") < 0) goto r6;
     const Py_ssize_t m = vr.len / 32, cap = vt.len / 8;
     const uint64_t *rec = vr.buf;
-    int64_t *tkeys = vt.buf, *tpos = vp.buf, *dense = vd.buf, *masks = vk.buf, *out = vo.buf;
-    uint8_t *acked = va.buf, *queued = vq.buf;
     const int64_t req = (int64_t)required;
     if (vp.len != vt.len || (cap & (cap - 1)) || cap < 2 || n < 0 || n + m >= cap ||
         vd.len / 8 < n + m || vk.len / 8 < n + m || va.len < n + m || vq.len < n + m ||
-        vo.len / 8 < m || (req & (FOLD_TOUCHED | FOLD_WAS)) || req < 0)
+        vo.len / 8 < m || (req & (FOLD_TOUCHED | FOLD_WAS)) || req < 0 ||
+        !fold_records_ok(rec, m))
         goto none;
-    for (Py_ssize_t i = 0; i < m; i++) {
-        const uint64_t meta = rec[4 * i + 2];
-        const unsigned kind = (unsigned)(meta & 0xFF);
-        if ((kind != KIND_STORED && kind != KIND_REMOVED) || ((meta >> 8) & 0xFF) >= 61 ||
-            ((meta >> 16) & 0xFF) != 0)
-            goto none;
-    }
-    int64_t *pos = PyMem_Malloc(m ? (size_t)m * 8 : 8);
-    if (pos == NULL) {
-        PyErr_NoMemory();
-        goto r7;
-    }
-    int shift = 64;
-    for (Py_ssize_t c = cap; c > 1; c >>= 1) shift--;
-    const uint64_t smask = (uint64_t)cap - 1;
-    int marked = 0;
-    /* The index is cold after the event loop's sleep: a probe per key in turn waits for one
-     * cache miss after another. Their home slots are fetched all at once first. */
-    for (Py_ssize_t i = 0; i < m; i++) {
-        const uint64_t s = ((uint64_t)rec[4 * i + 1] * GOLDEN) >> shift;
-        __builtin_prefetch(&tpos[s]);
-        __builtin_prefetch(&tkeys[s]);
-    }
-    for (Py_ssize_t i = 0; i < m; i++) { /* find(insert=True): n + m < cap, a slot is free */
-        const Py_ssize_t before = n;
-        pos[i] = index_probe((int64_t)rec[4 * i + 1], tkeys, tpos, dense, &n, smask, shift, 1);
-        if (n != before) { /* new: its columns start zeroed */
-            masks[before] = 0;
-            acked[before] = 0;
-            queued[before] = 0;
-        }
-    }
-    for (Py_ssize_t i = 0; i < m; i++) { /* the same for the keys' columns */
-        __builtin_prefetch(&masks[pos[i]]);
-        __builtin_prefetch(&queued[pos[i]]);
-    }
-    for (Py_ssize_t i = 0; i < m; i++)
-        if (masks[pos[i]] & (FOLD_TOUCHED | FOLD_WAS)) marked = 1;
-    if (marked) {
-        PyMem_Free(pos);
-        result = Py_BuildValue("nnL", n, (Py_ssize_t)-1, 0LL);
-        goto r7;
-    }
-    fold_mark(masks, pos, rec + 2, 4, m, req); /* fold_apply's passes */
+    Py_ssize_t n_out = 0;
     long long delta = 0;
-    const Py_ssize_t n_out = fold_settle(masks, pos, m, req, queued, out, &delta);
-    PyMem_Free(pos);
-    result = Py_BuildValue("nnL", n, n_out, delta);
+    const int r = fold_core(rec, m, vt.buf, vp.buf, vd.buf, &n, cap, vk.buf, va.buf, vq.buf,
+                            req, vo.buf, &n_out, &delta);
+    if (r >= 0) result = Py_BuildValue("nnL", n, r ? (Py_ssize_t)-1 : n_out, r ? 0LL : delta);
     goto r7;
 none:
     result = Py_None;
@@ -1776,6 +1792,131 @@ r0:
 none0:
     PyBuffer_Release(&vr);
     Py_RETURN_NONE;
+}
+
+/* Ring header words (layout.py; a test compares). */
+#define W_TAIL 8
+#define W_DROPPED 9
+#define W_HEAD 16
+#define W_READER_LIVENESS_NS 19
+#define W_INC_GEN 24
+
+/* ring_fold(hdr, slots, head, base, gen, dropped, room, tkeys, tpos, dense, n, masks, acked,
+ *           queued, required, out) -> m records folded (0: none there), or (m, new n, queued,
+ *           published delta); None: declined, nothing read (the caller's read() path).
+ * A steady-state read of the ring (reader.py RingReader.read) and its fold (fold_records) in
+ * one call: the tail is loaded first, then the incarnation generation, which must still be
+ * `gen` (even), and the drop counter, still `dropped`; the records from `head` (carrying seqs
+ * base, base + 1, ...) must all be valid, stored/removed of medium 0 with groups < 61, at
+ * most `room` of them (the index's re-index point) and fit the table (n + m < slots). Then the
+ * reader's liveness is stamped, they are folded as fold_records does, and W_HEAD advances.
+ * Declined after the keys went in (fold_records' queued = -1): (m, new n, -1, 0), W_HEAD
+ * unchanged; the caller reads them again through its own path. out holds at least the ring's
+ * capacity (m records at most). */
+static PyObject *ring_fold(PyObject *self, PyObject *args) {
+    PyObject *o_hdr, *o_slots, *o_tkeys, *o_tpos, *o_dense, *o_masks, *o_acked, *o_queued,
+        *o_out;
+    unsigned long long head, base, gen, dropped;
+    Py_ssize_t room, n;
+    long long required;
+    if (!PyArg_ParseTuple(args, "OOKKKKnOOOnOOOLO", &o_hdr, &o_slots, &head, &base, &gen,
+                          &dropped, &room, &o_tkeys, &o_tpos, &o_dense, &n, &o_masks, &o_acked,
+                          &o_queued, &required, &o_out))
+        return NULL;
+    Py_buffer vh, vs, vt, vp, vd, vk, va, vq, vo;
+    PyObject *result = NULL;
+    if (kvcm_view(o_hdr, &vh, 8, 1, "hdr") < 0) return NULL;
+    if (kvcm_view(o_slots, &vs, 8, 0, "slots") < 0) goto r0;
+    if (kvcm_view(o_tkeys, &vt, 8, 1, "tkeys") < 0) goto r1;
+    if (kvcm_view(o_tpos, &vp, 8, 1, "tpos") < 0) goto r2;
+    if (kvcm_view(o_dense, &vd, 8, 1, "dense") < 0) goto r3;
+    if (kvcm_view(o_masks, &vk, 8, 1, "masks") < 0) goto r4;
+    if (kvcm_view(o_acked, &va, 1, 1, "acked") < 0) goto r5;
+    if (kvcm_view(o_queued, &vq, 1, 1, "queued") < 0) goto r6;
+    if (kvcm_view(o_out, &vo, 8, 1, "out") < 0) goto r7;
+    volatile uint64_t *hdr = vh.buf;
+    const uint64_t *slots = vs.buf;
+    const Py_ssize_t rcap = vs.len / 32, cap = vt.len / 8;
+    const int64_t req = (int64_t)required;
+    if (vh.len / 8 <= W_INC_GEN || rcap < 1 || (rcap & (rcap - 1)) || vo.len / 8 < rcap ||
+        vp.len != vt.len || (cap & (cap - 1)) || cap < 2 || n < 0 ||
+        (req & (FOLD_TOUCHED | FOLD_WAS)) || req < 0 || base < 1 || (gen & 1))
+        goto none;
+    /* The tail before the incarnation (reader.py's invariant), each load an acquire. */
+    const uint64_t tail = __atomic_load_n((uint64_t *)&hdr[W_TAIL], __ATOMIC_ACQUIRE);
+    if (__atomic_load_n((uint64_t *)&hdr[W_INC_GEN], __ATOMIC_ACQUIRE) != gen ||
+        __atomic_load_n((uint64_t *)&hdr[W_DROPPED], __ATOMIC_ACQUIRE) != dropped)
+        goto none;
+    const uint64_t m64 = tail - head;
+    if (m64 > (uint64_t)rcap || (Py_ssize_t)m64 > room) goto none; /* also tail < head */
+    const Py_ssize_t m = (Py_ssize_t)m64;
+    if (n + m >= cap || vd.len / 8 < n + m || vk.len / 8 < n + m || va.len < n + m ||
+        vq.len < n + m)
+        goto none;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* time.monotonic_ns(): the reader is alive */
+    if (m == 0) {
+        hdr[W_READER_LIVENESS_NS] = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+        result = PyLong_FromLong(0);
+        goto r8;
+    }
+    uint64_t *rec = PyMem_Malloc((size_t)m * 32);
+    if (rec == NULL) {
+        PyErr_NoMemory();
+        goto r8;
+    }
+    const Py_ssize_t mask = rcap - 1, start = (Py_ssize_t)(head & (uint64_t)mask);
+    for (Py_ssize_t i = 0; i < m; i += 2) /* two slots a line: the misses overlap */
+        __builtin_prefetch(slots + 4 * ((start + i) & mask));
+    for (Py_ssize_t i = 0; i < m; i++) { /* ring_copy: the seq (acquire), then the payload */
+        const uint64_t *sl = slots + 4 * ((start + i) & mask);
+        const uint64_t seq = __atomic_load_n(&sl[0], __ATOMIC_ACQUIRE);
+        if (seq != base + (uint64_t)i) {
+            PyMem_Free(rec);
+            goto none;
+        }
+        uint64_t *o = rec + 4 * i;
+        o[0] = seq;
+        o[1] = sl[1];
+        o[2] = sl[2];
+        o[3] = sl[3];
+    }
+    if (!fold_records_ok(rec, m)) {
+        PyMem_Free(rec);
+        goto none;
+    }
+    Py_ssize_t n_out = 0;
+    long long delta = 0;
+    const int r = fold_core(rec, m, vt.buf, vp.buf, vd.buf, &n, cap, vk.buf, va.buf, vq.buf,
+                            req, vo.buf, &n_out, &delta);
+    PyMem_Free(rec);
+    if (r < 0) goto r8;
+    hdr[W_READER_LIVENESS_NS] = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+    if (r == 0) __atomic_store_n((uint64_t *)&hdr[W_HEAD], head + m64, __ATOMIC_RELEASE);
+    result = Py_BuildValue("nnnL", m, n, r ? (Py_ssize_t)-1 : n_out, r ? 0LL : delta);
+    goto r8;
+none:
+    result = Py_None;
+    Py_INCREF(result);
+r8:
+    PyBuffer_Release(&vo);
+r7:
+    PyBuffer_Release(&vq);
+r6:
+    PyBuffer_Release(&va);
+r5:
+    PyBuffer_Release(&vk);
+r4:
+    PyBuffer_Release(&vd);
+r3:
+    PyBuffer_Release(&vp);
+r2:
+    PyBuffer_Release(&vt);
+r1:
+    PyBuffer_Release(&vs);
+r0:
+    PyBuffer_Release(&vh);
+    return result;
 }
 
 /* take_queue(queue, masks, acked, queued, dense, required, limit, out_pos, out_keys, out_pub,
@@ -1993,6 +2134,8 @@ static PyMethodDef methods[] = {
     {"ring_copy", ring_copy, METH_VARARGS, "ring_copy(slots, start, n, base, out) -> (good, clears, max_medium)"},
     {"fold_records", fold_records, METH_VARARGS,
      "fold_records(records, tkeys, tpos, dense, n, masks, acked, queued, required, out) -> (n, queued, delta) or None"},
+    {"ring_fold", ring_fold, METH_VARARGS,
+     "ring_fold(hdr, slots, head, base, gen, dropped, room, tkeys, tpos, dense, n, masks, acked, queued, required, out) -> 0, (m, n, queued, delta) or None"},
     {"take_queue", take_queue, METH_VARARGS,
      "take_queue(queue, masks, acked, queued, dense, required, limit, pos, keys, pub, split) -> (taken, adds, done, offset, consumed)"},
     {"confirm_run", confirm_run, METH_VARARGS, "confirm_run(pos, adds, masks, acked, queued, required, out) -> (queued, delta)"},

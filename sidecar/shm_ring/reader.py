@@ -14,6 +14,7 @@ import fcntl
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +23,8 @@ from sidecar.shm_ring import compiled
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.segment import Segment
 
+# KeyState.fold_ring: (hdr, slots, head, base, generation, dropped seen) -> records or -1
+Fold = Callable[["memoryview[int]", np.ndarray, int, int, int, int], int]
 _NO_RECORDS = np.empty((0, 4), np.uint64)
 _NO_RECORDS.flags.writeable = False
 
@@ -75,6 +78,7 @@ class RingReader:
         self.dropped_seen = int(h[L.W_DROPPED])
         self.incarnation: Incarnation | None = None
         self.records_read = 0
+        self.folded_seq = 0  # the seq of the last record read_folded() read
         self._inc_gen = -1  # the seqlock generation _inc was read at
         self._inc: Incarnation | None = None
 
@@ -180,6 +184,30 @@ class RingReader:
         result.last_seq = base + len(out) - 1
         self.records_read += len(out)
         return result
+
+    def read_folded(self, fold: Fold, boot_id: int) -> int:
+        """read() and its fold in one call (KeyState.fold_ring) when nothing is unusual: the
+        incarnation `boot_id`, seen before at the generation still in the header, no new
+        drops, every record valid. Records read, or -1 with nothing read (then read())."""
+        inc = self._inc
+        cur = self.incarnation
+        head = self.head
+        if (
+            inc is None
+            or cur is None
+            or inc.boot_id != boot_id
+            or cur.boot_id != boot_id
+            or head < inc.start_pos
+        ):
+            return -1
+        base = head - inc.start_pos + 1
+        seg = self.seg
+        m = fold(seg.hdr, seg.slots, head, base, self._inc_gen, self.dropped_seen)
+        if m > 0:
+            self.head = head + m  # W_HEAD too (ring_fold)
+            self.records_read += m
+            self.folded_seq = base + m - 1
+        return m
 
     def _advance(self, pos: int) -> None:
         self.head = pos

@@ -29,21 +29,26 @@ from sidecar.shm_ring.segment import Segment, unlink
 from sidecar.shm_ring.writer import RingWriter
 
 BUILT = compiled.accel
-NEW = ("ring_copy", "fold_records", "take_queue", "confirm_run")
+NEW = ("ring_copy", "fold_records", "take_queue", "confirm_run", "ring_fold")
 pytestmark = pytest.mark.skipif(
     BUILT is None or not all(hasattr(BUILT, f) for f in NEW), reason="the C loops were not built"
 )
 
 
-def _stale(mod: ModuleType | None) -> Any:
+def _stale(mod: ModuleType | None, missing: tuple[str, ...] = NEW) -> Any:
     """The module as a build from before issue #26 would be: the new functions missing."""
-    return SimpleNamespace(**{k: getattr(mod, k) for k in dir(mod) if k not in NEW})
+    return SimpleNamespace(**{k: getattr(mod, k) for k in dir(mod) if k not in missing})
 
 
 @contextmanager
 def backend(which: str) -> Iterator[None]:
     saved = compiled.accel
-    compiled.accel = {"c": BUILT, "stale": _stale(BUILT), "numpy": None}[which]
+    compiled.accel = {
+        "c": BUILT,
+        "stale": _stale(BUILT),
+        "no_ring_fold": _stale(BUILT, ("ring_fold",)),
+        "numpy": None,
+    }[which]
     try:
         yield
     finally:
@@ -280,10 +285,10 @@ def test_accel_confirm_after_a_reindex_in_flight_equals_the_reference(
 
 
 @contextmanager
-def _ring() -> Iterator[tuple[RingWriter, RingReader]]:
+def _ring(capacity: int = 16) -> Iterator[tuple[RingWriter, RingReader]]:
     name = f"/kvcm-rra-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    wseg = Segment(name, 16)
-    rseg = Segment(name, 16)
+    wseg = Segment(name, capacity)
+    rseg = Segment(name, capacity)
     reader = RingReader(rseg)
     try:
         yield RingWriter(wseg), reader
@@ -385,3 +390,103 @@ def test_accel_fold_records_declines_before_any_change(meta: int) -> None:
     assert t.n == before[0] and np.array_equal(t.t.idx._tpos, before[1])
     assert np.array_equal(t.masks, before[2]) and np.array_equal(t.queued, before[3])
     assert [q.tolist() for q in t.queue] == [q.tolist() for q in before[4]]
+
+
+STEP_RECORD = st.tuples(
+    st.sampled_from([L.KIND_STORED] * 8 + [L.KIND_REMOVED] * 6 + [L.KIND_CLEARED]),
+    st.sampled_from([0] * 12 + [1, 61]),  # group (61: one the fold's marks need)
+    st.sampled_from([0] * 20 + [1, 7]),  # medium (7: outside the table)
+    st.integers(-5, 30),  # key: repeats within and across reads
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.lists(STEP_RECORD, max_size=24),  # one engine write (more than 16: drops)
+            st.integers(-1, 16),  # a torn slot among the unread (-1: none)
+            st.booleans(),  # full step
+        ),
+        max_size=12,
+    )
+)
+def test_accel_ring_fold_step_equals_read_then_fold(
+    steps: list[tuple[list[tuple[int, int, int, int]], int, bool]],
+) -> None:
+    """EngineSync.step over the one-call read and fold (_accel.ring_fold) equals the same step
+    over read() then apply() (ring_copy, fold_records), on two rings given the same writes: the
+    key state (positions and queue order included), the cursor, last_seq, what the step says,
+    and the sync's counters; wrapping, drops (then a snapshot is awaited), torn slots, clears,
+    other and unknown mediums, and groups the C fold declines included."""
+    from sidecar.source.engine_sync import EngineSync, Sync
+
+    with _ring() as (wa, ra), _ring() as (wb, rb):
+        syncs = []
+        for r, w in ((ra, wa), (rb, wb)):
+            sync = EngineSync(r, KeyState((0,), clock=lambda: 1.0))
+            sync.status, sync.boot_id, sync.n_mediums, sync._first = (
+                Sync.SYNCED,
+                w.boot_id,
+                2,
+                False,
+            )
+            syncs.append(sync)
+        for recs, torn, full in steps:
+            keys = np.array([k for *_x, k in recs], np.int64)
+            metas = np.array([L.pack_meta(kd, g, m) for kd, g, m, _k in recs], np.uint64)
+            outs = []
+            for (sync, w), which in zip(
+                ((syncs[0], wa), (syncs[1], wb)), ("c", "no_ring_fold"), strict=True
+            ):
+                w.write(keys, metas)
+                r = sync.reader
+                if 0 <= torn < r.lag():
+                    w.seg.slots[(r.head + torn) & (r.capacity - 1), L.C_SEQ] = np.uint64(999)
+                with backend(which):
+                    res = sync.step(full=full)
+                outs.append((res.records, res.resynced))
+            a, b = syncs
+            event(f"status={a.status.value} records={outs[0][0] > 0}")
+            assert outs[0] == outs[1]
+            assert _state(a.keys) == _state(b.keys)
+            assert a.reader.head == b.reader.head and a.last_seq == b.last_seq
+            assert int(a.reader.seg.hdr[L.W_HEAD]) == a.reader.head
+            assert (a.status, a.resyncs, a.anomalies, a.dropped_total, a.unknown_medium) == (
+                b.status,
+                b.resyncs,
+                b.anomalies,
+                b.dropped_total,
+                b.unknown_medium,
+            )
+
+
+def test_accel_ring_fold_reads_a_steady_step_in_one_call() -> None:
+    """The steady state takes the one-call path: read() is not called, the reader's liveness
+    is stamped, W_HEAD and last_seq advance, the dirty queue holds the stored keys in order."""
+    from sidecar.source.engine_sync import EngineSync, Sync
+
+    with _ring(64) as (w, r):
+        sync = EngineSync(r, KeyState((0,)))
+        w.write(np.arange(3, dtype=np.int64), L.pack_meta(L.KIND_STORED))
+        sync.step()  # the first read sees the incarnation (and asks for a snapshot)
+        sync.status = Sync.SYNCED
+        calls: list[tuple[Any, ...]] = []
+        real = r.read
+
+        def read(*a: Any) -> Any:
+            calls.append(a)
+            return real(*a)
+
+        r.read = read  # type: ignore[method-assign,assignment]
+        w.write(np.arange(10, 15, dtype=np.int64), L.pack_meta(L.KIND_STORED))
+        r.seg.hdr[L.W_READER_LIVENESS_NS] = 0
+        with backend("c"):
+            res = sync.step()
+        assert calls == [] and res.records == 5
+        assert r.head == int(r.seg.hdr[L.W_HEAD]) == 8 and sync.last_seq == 8
+        assert int(r.seg.hdr[L.W_READER_LIVENESS_NS]) > 0
+        t = sync.keys._tiers[0]
+        assert t.keys[np.concatenate(t.queue)].tolist()[-5:] == [10, 11, 12, 13, 14]
+        with backend("c"):
+            assert sync.step().records == 0 and calls == []  # nothing new: still one call
