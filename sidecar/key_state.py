@@ -240,9 +240,9 @@ class _Tier:
         self, hdr: memoryview, slots: np.ndarray, head: int, base: int, gen: int, dropped: int
     ) -> int:
         """A steady-state ring read folded in, in one C call (_accel.ring_fold: the reader's
-        checks, ring_copy and fold_records): records read (W_HEAD advanced), or -1 with
-        nothing read (a check failed, a clear, another medium, no such build: the caller's
-        path reads them; keys already inserted stay, as fold_records leaves them)."""
+        checks, ring_copy and fold_records): records folded (the caller advances W_HEAD), or
+        -1 with nothing read (a check failed, a clear, another medium, no such build: the
+        caller's path reads them; keys already inserted stay, as fold_records leaves them)."""
         c = compiled.accel
         fold = getattr(c, "ring_fold", None) if c is not None else None  # None: stale build
         t = self.t

@@ -27,7 +27,7 @@
 /* Raised with every change to a signature or behaviour here; compiled.py uses the module only
  * if it equals its own ACCEL_ABI, so a stale in-place build is never called with the wrong
  * arguments (it falls back to the numpy / Python forms instead). */
-#define ACCEL_ABI 21
+#define ACCEL_ABI 22
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 /* Must equal sidecar/shm_ring/layout.py's KIND_STORED / KIND_REMOVED (a test compares). */
 #define KIND_STORED 1
@@ -1794,10 +1794,8 @@ none0:
     Py_RETURN_NONE;
 }
 
-/* Ring header words (layout.py; a test compares). */
-#define W_TAIL 8
+/* More ring header words (layout.py; tests/unit/test_accel.py compares). */
 #define W_DROPPED 9
-#define W_HEAD 16
 #define W_READER_LIVENESS_NS 19
 #define W_INC_GEN 24
 
@@ -1809,10 +1807,11 @@ none0:
  * `gen` (even), and the drop counter, still `dropped`; the records from `head` (carrying seqs
  * base, base + 1, ...) must all be valid, stored/removed of medium 0 with groups < 61, at
  * most `room` of them (the index's re-index point) and fit the table (n + m < slots). Then the
- * reader's liveness is stamped, they are folded as fold_records does, and W_HEAD advances.
- * Declined after the keys went in (fold_records' queued = -1): (m, new n, -1, 0), W_HEAD
- * unchanged; the caller reads them again through its own path. out holds at least the ring's
- * capacity (m records at most). */
+ * reader's liveness is stamped and they are folded as fold_records does; the caller advances
+ * W_HEAD once it has queued what the fold returned (so nothing can free their slots for the
+ * producer before the fold's result is held). Declined after the keys went in (fold_records'
+ * queued = -1): (m, new n, -1, 0); the caller reads them again through its own path. out
+ * holds at least the ring's capacity (m records at most). */
 static PyObject *ring_fold(PyObject *self, PyObject *args) {
     PyObject *o_hdr, *o_slots, *o_tkeys, *o_tpos, *o_dense, *o_masks, *o_acked, *o_queued,
         *o_out;
@@ -1892,7 +1891,6 @@ static PyObject *ring_fold(PyObject *self, PyObject *args) {
     PyMem_Free(rec);
     if (r < 0) goto r8;
     hdr[W_READER_LIVENESS_NS] = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-    if (r == 0) __atomic_store_n((uint64_t *)&hdr[W_HEAD], head + m64, __ATOMIC_RELEASE);
     result = Py_BuildValue("nnnL", m, n, r ? (Py_ssize_t)-1 : n_out, r ? 0LL : delta);
     goto r8;
 none:
@@ -2213,6 +2211,9 @@ PyMODINIT_FUNC PyInit__accel(void) {
         PyModule_AddIntConstant(mod, "HEADER_WORDS", HEADER_WORDS) < 0 ||
         PyModule_AddIntConstant(mod, "W_CAPACITY", W_CAPACITY) < 0 ||
         PyModule_AddIntConstant(mod, "W_HEAD", W_HEAD) < 0 ||
+        PyModule_AddIntConstant(mod, "W_DROPPED", W_DROPPED) < 0 ||
+        PyModule_AddIntConstant(mod, "W_READER_LIVENESS_NS", W_READER_LIVENESS_NS) < 0 ||
+        PyModule_AddIntConstant(mod, "W_INC_GEN", W_INC_GEN) < 0 ||
         PyModule_AddIntConstant(mod, "W_HEAD_SEEN", W_HEAD_SEEN) < 0 ||
         PyModule_AddIntConstant(mod, "W_READER_IDLE", W_READER_IDLE) < 0 ||
         PyModule_AddIntConstant(mod, "AFTER_RING", AFTER_RING) < 0 ||

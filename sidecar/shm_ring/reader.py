@@ -203,8 +203,8 @@ class RingReader:
         base = head - inc.start_pos + 1
         seg = self.seg
         m = fold(seg.hdr, seg.slots, head, base, self._inc_gen, self.dropped_seen)
-        if m > 0:
-            self.head = head + m  # W_HEAD too (ring_fold)
+        if m > 0:  # folded and queued: only now may the producer reuse their slots
+            self._advance(head + m)
             self.records_read += m
             self.folded_seq = base + m - 1
         return m

@@ -83,9 +83,10 @@ class EngineSync:
         if self.status is Sync.SYNCED:
             if not full and self.reader.idle():
                 return out
-            # The steady state in one C call (medium 0 records only); -1: something to look
-            # at, read() below.
-            m = self.reader.read_folded(self.keys.fold_ring, self.boot_id) if self.n_mediums else -1
+            # The steady state in one C call (medium 0 records only, the whole lag); -1:
+            # something to look at, read() below.
+            fast = self.n_mediums and max_records >= self.reader.capacity
+            m = self.reader.read_folded(self.keys.fold_ring, self.boot_id) if fast else -1
             if m >= 0:
                 if m:
                     out.records = m

@@ -56,6 +56,12 @@ def test_accel_constants_are_the_ring_layouts() -> None:
         L.W_ATTEMPTED,
     )
     assert accel.HEADER_WORDS * 8 == L.HEADER_SIZE
+    assert (accel.W_HEAD, accel.W_DROPPED, accel.W_READER_LIVENESS_NS, accel.W_INC_GEN) == (
+        L.W_HEAD,
+        L.W_DROPPED,
+        L.W_READER_LIVENESS_NS,
+        L.W_INC_GEN,
+    )
 
 
 def _both(cap: int) -> tuple[KeyIndex, KeyIndex]:
