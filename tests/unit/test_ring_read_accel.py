@@ -407,18 +407,38 @@ STEP_RECORD = st.tuples(
             st.lists(STEP_RECORD, max_size=24),  # one engine write (more than 16: drops)
             st.integers(-1, 16),  # a torn slot among the unread (-1: none)
             st.booleans(),  # full step
+            st.integers(-1, 8),  # then take a batch of this many and confirm it (-1: none)
         ),
         max_size=12,
-    )
+    ),
+    tiny=st.booleans(),  # a table that grows and re-indexes stepwise under the steps
+    fresh=st.booleans(),  # keys never seen before at every write
+    rebuild_step=st.integers(1, 6),
 )
 def test_accel_ring_fold_step_equals_read_then_fold(
-    steps: list[tuple[list[tuple[int, int, int, int]], int, bool]],
+    steps: list[tuple[list[tuple[int, int, int, int]], int, bool, int]],
+    tiny: bool,
+    fresh: bool,
+    rebuild_step: int,
 ) -> None:
     """EngineSync.step over the one-call read and fold (_accel.ring_fold) equals the same step
     over read() then apply() (ring_copy, fold_records), on two rings given the same writes: the
     key state (positions and queue order included), the cursor, last_seq, what the step says,
     and the sync's counters; wrapping, drops (then a snapshot is awaited), torn slots, clears,
-    other and unknown mediums, and groups the C fold declines included."""
+    other and unknown mediums, groups the C fold declines, a table growing and re-indexing,
+    and batches taken and confirmed between steps included."""
+    old = key_state._MIN_CAP, key_table.REBUILD_STEP
+    if tiny:
+        key_state._MIN_CAP, key_table.REBUILD_STEP = 4, rebuild_step
+    try:
+        _fold_steps(steps, fresh)
+    finally:
+        key_state._MIN_CAP, key_table.REBUILD_STEP = old
+
+
+def _fold_steps(
+    steps: list[tuple[list[tuple[int, int, int, int]], int, bool, int]], fresh: bool
+) -> None:
     from sidecar.source.engine_sync import EngineSync, Sync
 
     with _ring() as (wa, ra), _ring() as (wb, rb):
@@ -432,8 +452,8 @@ def test_accel_ring_fold_step_equals_read_then_fold(
                 False,
             )
             syncs.append(sync)
-        for recs, torn, full in steps:
-            keys = np.array([k for *_x, k in recs], np.int64)
+        for i, (recs, torn, full, take) in enumerate(steps):
+            keys = np.array([k + (1000 * i if fresh else 0) for *_x, k in recs], np.int64)
             metas = np.array([L.pack_meta(kd, g, m) for kd, g, m, _k in recs], np.uint64)
             outs = []
             for (sync, w), which in zip(
@@ -448,6 +468,8 @@ def test_accel_ring_fold_step_equals_read_then_fold(
                 outs.append((res.records, res.resynced))
             a, b = syncs
             event(f"status={a.status.value} records={outs[0][0] > 0}")
+            if a.keys._tiers[0].t.epoch:
+                event("re-indexed")
             assert outs[0] == outs[1]
             assert _state(a.keys) == _state(b.keys)
             assert a.reader.head == b.reader.head and a.last_seq == b.last_seq
@@ -459,6 +481,13 @@ def test_accel_ring_fold_step_equals_read_then_fold(
                 b.dropped_total,
                 b.unknown_medium,
             )
+            if take >= 0:  # the report side between reads (the same C forms on both)
+                with backend("c"):
+                    batches = [s.keys.take_batch(take) for s in syncs]
+                    assert _batch(batches[0]) == _batch(batches[1])
+                    for s, bt in zip(syncs, batches, strict=True):
+                        s.keys.confirm(bt)
+                assert _state(a.keys) == _state(b.keys)
 
 
 def test_accel_ring_fold_reads_a_steady_step_in_one_call() -> None:
