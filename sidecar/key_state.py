@@ -284,6 +284,48 @@ class _Tier:
             self._enqueue(out[:k].copy())  # the queue keeps it; `out` is used again
         return int(m)
 
+    def fold_counts(
+        self, keys: np.ndarray, signs: np.ndarray, col: np.ndarray, flags: np.ndarray, bit: int
+    ) -> int | None:
+        """The ZMQ source's fold of one (medium, group)'s block events in one C call
+        (_accel.count_fold: find, the store counts' clamped walk in `col`, then bits_apply of
+        the counts that went from 0 to positive or back, setting or clearing `bit`): the held
+        delta, or None with nothing changed (a re-index due, columns to grow, no such build:
+        block_counts.py's path)."""
+        c = compiled.accel
+        fold = getattr(c, "count_fold", None) if c is not None else None  # None: stale build
+        t = self.t
+        idx = t.idx
+        if fold is None or t.rebuild is not None or idx.n + len(keys) > t.room:
+            return None
+        out = np.empty(len(keys), np.int64)  # fresh: the queue keeps it
+        cols = t.cols
+        got = fold(
+            keys,
+            signs,
+            idx._tkeys,
+            idx._tpos,
+            idx.keys,
+            idx.n,
+            int(idx.cap * REBUILD_AT) - idx.n,  # find() would pace a re-index past it
+            col,
+            flags,
+            cols["masks"],
+            cols["acked"],
+            cols["queued"],
+            self.owner.required,
+            bit,
+            out,
+        )
+        if got is None:
+            return None
+        idx.n, k, held, delta = got
+        self.published_count += delta
+        self.owner.published_count += delta
+        if k:
+            self._enqueue(out[:k])
+        return int(held)
+
     def recount(self) -> None:
         new = int(self.published(self.masks[: self.n]).sum())
         self.owner.published_count += new - self.published_count
@@ -625,6 +667,21 @@ class KeyState:
             tiers = self._tiers
             t = tiers[medium] if medium < len(tiers) else self._tier(medium)
             t.apply_bits_at(pos, set_m, clr_m)
+
+    def fold_counts(
+        self,
+        medium: int,
+        keys: np.ndarray,
+        signs: np.ndarray,
+        col: np.ndarray,
+        flags: np.ndarray,
+        bit: int,
+    ) -> int | None:
+        """_Tier.fold_counts of `medium` (int64 keys and signs, C order): the held delta, or
+        None with nothing changed."""
+        tiers = self._tiers
+        t = tiers[medium] if medium < len(tiers) else self._tier(medium)
+        return t.fold_counts(keys, signs, col, flags, bit)
 
     def clear_current(self) -> None:
         """The engine's cache is empty (a clear, a new engine incarnation, a forget)."""

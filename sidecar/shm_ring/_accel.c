@@ -27,7 +27,7 @@
 /* Raised with every change to a signature or behaviour here; compiled.py uses the module only
  * if it equals its own ACCEL_ABI, so a stale in-place build is never called with the wrong
  * arguments (it falls back to the numpy / Python forms instead). */
-#define ACCEL_ABI 22
+#define ACCEL_ABI 23
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 /* Must equal sidecar/shm_ring/layout.py's KIND_STORED / KIND_REMOVED (a test compares). */
 #define KIND_STORED 1
@@ -1917,6 +1917,134 @@ r0:
     return result;
 }
 
+/* count_fold(keys, signs, tkeys, tpos, dense, n, room, col, flags, masks, acked, queued,
+ *            required, bit, out) -> None, or (new n, queued, held delta, published delta)
+ * The ZMQ source's fold of one (medium, group)'s block events (block_counts.py _apply_one) in
+ * one call: KeyTable.find(keys, insert=True), zmq_count's clamped walk of `col` (the group's
+ * store counts) in arrival order, then bits_apply of the positions whose count went from 0 to
+ * positive (set `bit` in masks) or back (clear it): each such position whose published state
+ * ((mask & required) == required) flipped counts in the delta and, if not queued yet, is
+ * queued and written to out, in first-touch order. None, before any change: at most `room`
+ * keys may be new (the index's re-index point), the table must hold n + len(keys) (index and
+ * every column), `required` must not carry the marks' bits. flags (u8, zeroed, >= the table's
+ * columns) is scratch and left zeroed; out holds len(keys). */
+static PyObject *count_fold(PyObject *self, PyObject *args) {
+    PyObject *o_keys, *o_signs, *o_tkeys, *o_tpos, *o_dense, *o_col, *o_flags, *o_masks,
+        *o_acked, *o_queued, *o_out;
+    Py_ssize_t n, room;
+    long long required, bit;
+    if (!PyArg_ParseTuple(args, "OOOOOnnOOOOOLLO", &o_keys, &o_signs, &o_tkeys, &o_tpos,
+                          &o_dense, &n, &room, &o_col, &o_flags, &o_masks, &o_acked, &o_queued,
+                          &required, &bit, &o_out))
+        return NULL;
+    Py_buffer vk, vs, vt, vp, vd, vc, vf, vm, va, vq, vo;
+    PyObject *result = NULL;
+    if (kvcm_view(o_keys, &vk, 8, 0, "keys") < 0) return NULL;
+    if (kvcm_view(o_signs, &vs, 8, 0, "signs") < 0) goto r0;
+    if (kvcm_view(o_tkeys, &vt, 8, 1, "tkeys") < 0) goto r1;
+    if (kvcm_view(o_tpos, &vp, 8, 1, "tpos") < 0) goto r2;
+    if (kvcm_view(o_dense, &vd, 8, 1, "dense") < 0) goto r3;
+    if (kvcm_view(o_col, &vc, 8, 1, "col") < 0) goto r4;
+    if (kvcm_view(o_flags, &vf, 1, 1, "flags") < 0) goto r5;
+    if (kvcm_view(o_masks, &vm, 8, 1, "masks") < 0) goto r6;
+    if (kvcm_view(o_acked, &va, 1, 1, "acked") < 0) goto r7;
+    if (kvcm_view(o_queued, &vq, 1, 1, "queued") < 0) goto r8;
+    if (kvcm_view(o_out, &vo, 8, 1, "out") < 0) goto r9;
+    const Py_ssize_t m = vk.len / 8, cap = vt.len / 8, need = n + m;
+    const int64_t req = (int64_t)required;
+    if (vs.len / 8 != m || vo.len / 8 < m || m > room || vp.len != vt.len || (cap & (cap - 1)) ||
+        cap < 2 || n < 0 || need >= cap || vd.len / 8 < need || vc.len / 8 < need ||
+        vf.len < need || vm.len / 8 < need || va.len < need || vq.len < need ||
+        (req & (FOLD_TOUCHED | FOLD_WAS)) || req < 0 || bit <= 0 || (bit & (bit - 1)) ||
+        (bit & (FOLD_TOUCHED | FOLD_WAS)))
+        goto none;
+    const int64_t *keys = vk.buf, *sg = vs.buf;
+    int64_t *tkeys = vt.buf, *tpos = vp.buf, *dense = vd.buf, *col = vc.buf, *masks = vm.buf;
+    int64_t *out = vo.buf;
+    uint8_t *flags = vf.buf, *acked = va.buf, *queued = vq.buf;
+    int64_t *pos = PyMem_Malloc(m ? (size_t)m * 8 : 8);
+    if (pos == NULL) {
+        PyErr_NoMemory();
+        goto r10;
+    }
+    int shift = 64;
+    for (Py_ssize_t c = cap; c > 1; c >>= 1) shift--;
+    const uint64_t smask = (uint64_t)cap - 1;
+    for (Py_ssize_t i = 0; i < m; i++) { /* the index is cold: every home slot fetched first */
+        const uint64_t h = ((uint64_t)keys[i] * GOLDEN) >> shift;
+        __builtin_prefetch(&tpos[h]);
+        __builtin_prefetch(&tkeys[h]);
+    }
+    for (Py_ssize_t i = 0; i < m; i++) { /* find(insert=True): n + m < cap, a slot is free */
+        const Py_ssize_t before = n;
+        pos[i] = index_probe(keys[i], tkeys, tpos, dense, &n, smask, shift, 1);
+        if (n != before) { /* new: its columns start zeroed (key_table.py's invariant) */
+            masks[before] = 0;
+            acked[before] = 0;
+            queued[before] = 0;
+            col[before] = 0;
+        }
+    }
+    /* zmq_count's walk: touched positions in first-touch order, each count clamped at 0 */
+    Py_ssize_t touched = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const int64_t p = pos[i];
+        if (!flags[p]) {
+            flags[p] = (uint8_t)(1 | (col[p] > 0) << 1);
+            out[touched++] = p;
+        }
+        const int64_t c = col[p] + sg[i];
+        col[p] = c > 0 ? c : 0;
+    }
+    PyMem_Free(pos);
+    /* bits_apply of the flipped ones (each once): set or clear `bit`, queue a published flip */
+    Py_ssize_t k = 0, held = 0;
+    long long delta = 0;
+    for (Py_ssize_t t = 0; t < touched; t++) {
+        const int64_t p = out[t];
+        const int was = flags[p] >> 1, now = col[p] > 0;
+        flags[p] = 0;
+        if (was == now) continue;
+        held += now ? 1 : -1;
+        const int64_t old = masks[p], nm = now ? (old | bit) : (old & ~bit);
+        const int was_pub = (old & req) == req, now_pub = (nm & req) == req;
+        masks[p] = nm;
+        delta += now_pub - was_pub;
+        if (was_pub != now_pub && !queued[p]) {
+            queued[p] = 1;
+            out[k++] = p; /* k <= t: written behind the read */
+        }
+    }
+    result = Py_BuildValue("nnnL", n, k, held, delta);
+    goto r10;
+none:
+    result = Py_None;
+    Py_INCREF(result);
+r10:
+    PyBuffer_Release(&vo);
+r9:
+    PyBuffer_Release(&vq);
+r8:
+    PyBuffer_Release(&va);
+r7:
+    PyBuffer_Release(&vm);
+r6:
+    PyBuffer_Release(&vf);
+r5:
+    PyBuffer_Release(&vc);
+r4:
+    PyBuffer_Release(&vd);
+r3:
+    PyBuffer_Release(&vp);
+r2:
+    PyBuffer_Release(&vt);
+r1:
+    PyBuffer_Release(&vs);
+r0:
+    PyBuffer_Release(&vk);
+    return result;
+}
+
 /* take_queue(queue, masks, acked, queued, dense, required, limit, out_pos, out_keys, out_pub,
  *            split) -> (taken, adds, chunks done, offset in the next chunk, consumed)
  * (out_pub may be None with `split`: the first `adds` taken are the adds)
@@ -2134,6 +2262,8 @@ static PyMethodDef methods[] = {
      "fold_records(records, tkeys, tpos, dense, n, masks, acked, queued, required, out) -> (n, queued, delta) or None"},
     {"ring_fold", ring_fold, METH_VARARGS,
      "ring_fold(hdr, slots, head, base, gen, dropped, room, tkeys, tpos, dense, n, masks, acked, queued, required, out) -> 0, (m, n, queued, delta) or None"},
+    {"count_fold", count_fold, METH_VARARGS,
+     "count_fold(keys, signs, tkeys, tpos, dense, n, room, col, flags, masks, acked, queued, required, bit, out) -> (n, queued, held, delta) or None"},
     {"take_queue", take_queue, METH_VARARGS,
      "take_queue(queue, masks, acked, queued, dense, required, limit, pos, keys, pub, split) -> (taken, adds, done, offset, consumed)"},
     {"confirm_run", confirm_run, METH_VARARGS, "confirm_run(pos, adds, masks, acked, queued, required, out) -> (queued, delta)"},

@@ -72,6 +72,11 @@ class KeyTable:
         self.rebuild: _Rebuild | None = None
         self.on_move: Callable[[Mover], None] | None = None  # owners holding positions
 
+    @property
+    def room(self) -> int:
+        """Positions every column holds (find() grows them past it; a C fold must not)."""
+        return self._room
+
     def add_column(self, name: str, dtype: type, live: bool = True) -> np.ndarray:
         """A new zeroed column (also in a re-index under way); `live`: nonzero keeps a key."""
         self.cols[name] = np.zeros(self._room, dtype)

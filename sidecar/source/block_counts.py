@@ -109,10 +109,24 @@ class BlockCounts:
 
     def _apply_one(self, medium: int, group: int, keys: np.ndarray, signs: np.ndarray) -> None:
         t = self._counts(medium, group)
+        accel = compiled.accel
+        if (
+            accel is not None
+            and keys.dtype == np.int64
+            and signs.dtype == np.int64
+            and keys.flags.c_contiguous
+            and signs.flags.c_contiguous
+        ):  # the common case (the flush's C read): find, walk and bits in one call
+            col = t.cols[_col(group)]
+            if len(self._flags) < len(col):
+                self._flags = np.zeros(max(len(col), 2 * len(self._flags)), np.uint8)
+            held = self.keys.fold_counts(medium, keys, signs, col, self._flags, 1 << group)
+            if held is not None:
+                self._held += held
+                return
         # Every event's key, repeats included: one lookup per event.
         pos = t.find(keys, True)
         col = t.cols[_col(group)]  # after find: an insert may have grown the columns
-        accel = compiled.accel
         if accel is not None:  # the walk below in one C pass, in arrival order
             if len(self._flags) < len(col):
                 self._flags = np.zeros(max(len(col), 2 * len(self._flags)), np.uint8)

@@ -29,7 +29,7 @@ from sidecar.shm_ring.segment import Segment, unlink
 from sidecar.shm_ring.writer import RingWriter
 
 BUILT = compiled.accel
-NEW = ("ring_copy", "fold_records", "take_queue", "confirm_run", "ring_fold")
+NEW = ("ring_copy", "fold_records", "take_queue", "confirm_run", "ring_fold", "count_fold")
 pytestmark = pytest.mark.skipif(
     BUILT is None or not all(hasattr(BUILT, f) for f in NEW), reason="the C loops were not built"
 )
@@ -47,6 +47,7 @@ def backend(which: str) -> Iterator[None]:
         "c": BUILT,
         "stale": _stale(BUILT),
         "no_ring_fold": _stale(BUILT, ("ring_fold",)),
+        "no_count_fold": _stale(BUILT, ("count_fold",)),
         "numpy": None,
     }[which]
     try:
@@ -519,3 +520,65 @@ def test_accel_ring_fold_reads_a_steady_step_in_one_call() -> None:
         assert t.keys[np.concatenate(t.queue)].tolist()[-5:] == [10, 11, 12, 13, 14]
         with backend("c"):
             assert sync.step().records == 0 and calls == []  # nothing new: still one call
+
+
+COUNT_OP: st.SearchStrategy[tuple[Any, Any, Any, Any, bool]] = st.one_of(
+    st.tuples(
+        st.just("events"),
+        st.sampled_from([0] * 6 + [1]),  # medium
+        st.sampled_from([0] * 6 + [1, 2]),  # group
+        st.lists(st.tuples(st.integers(-4, 24), st.sampled_from([1, 1, -1])), max_size=30),
+        st.booleans(),  # int8 signs (the general fold's): never the one-call path
+    ),
+    st.tuples(st.just("take"), st.integers(0, 10), st.just(0), st.just([]), st.just(False)),
+    st.tuples(
+        st.just("required"),
+        st.sampled_from([(0,), (0, 1)]),
+        st.just(0),
+        st.just([]),
+        st.just(False),
+    ),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=st.lists(COUNT_OP, max_size=30),
+    tiny=st.booleans(),
+    fresh=st.booleans(),
+    rebuild_step=st.integers(1, 6),
+)
+def test_accel_count_fold_equals_find_count_and_bits(
+    ops: list[tuple[Any, Any, Any, Any, bool]], tiny: bool, fresh: bool, rebuild_step: int
+) -> None:
+    """BlockCounts' fold of one (medium, group)'s block events in one C call
+    (_accel.count_fold) equals find + zmq_count + bits_apply: the key state (positions, queue
+    order), the counts and the held total, through repeats, removes below 0, several groups
+    and mediums, required-group changes, batches taken and confirmed, and a table that grows
+    and re-indexes stepwise."""
+    from sidecar.source.block_counts import BlockCounts
+
+    old = key_state._MIN_CAP, key_table.REBUILD_STEP
+    if tiny:
+        key_state._MIN_CAP, key_table.REBUILD_STEP = 4, rebuild_step
+    try:
+        sides = {w: BlockCounts(KeyState((0,), clock=lambda: 1.0)) for w in ("c", "no_count_fold")}
+        for i, (op, a0, a1, a2, small) in enumerate(ops):
+            for w, bc in sides.items():
+                with backend(w):
+                    if op == "events":
+                        keys = np.array([k + (1000 * i if fresh else 0) for k, _s in a2], np.int64)
+                        signs = np.array([sg for _k, sg in a2], np.int8 if small else np.int64)
+                        bc.apply_at(a0, a1, keys, signs)
+                    elif op == "take":
+                        bc.keys.confirm(bc.keys.take_batch(a0))
+                    else:
+                        _required(bc.keys, a0)
+            a, b = sides["c"], sides["no_count_fold"]
+            if a.keys._tiers[0].t.epoch:
+                event("re-indexed")
+            assert _state(a.keys) == _state(b.keys)
+            assert a.counts() == b.counts() and a.held() == b.held()
+            assert not a._flags.any()  # the scratch is left zeroed
+    finally:
+        key_state._MIN_CAP, key_table.REBUILD_STEP = old
