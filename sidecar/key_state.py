@@ -143,6 +143,7 @@ class _Tier:
         self.t.on_move = self._move_queue
         self.queue: list[np.ndarray] = []  # dense positions, in the order they became dirty
         self._ring_out: np.ndarray | None = None  # fold_ring's output, kept between calls
+        self._res = np.zeros(4, np.int64)  # the C folds' answers, written in place (_accel.c)
         self.ndirty = 0
         self.nacked = 0
 
@@ -270,12 +271,11 @@ class _Tier:
             cols["queued"],
             self.owner.required,
             out,
+            self._res,
         )
         if got is None:
             return -1
-        if got == 0:
-            return 0
-        m, idx.n, k, delta = got  # the keys are in even when it declined the fold (k < 0)
+        m, idx.n, k, delta = self._res.tolist()  # the keys are in even if it declined (k < 0)
         if k < 0:
             return -1
         self.published_count += delta
@@ -316,14 +316,16 @@ class _Tier:
             self.owner.required,
             bit,
             out,
+            self._res,
         )
         if got is None:
             return None
-        idx.n, k, held, delta = got
+        idx.n, k, held, delta = self._res.tolist()
         self.published_count += delta
         self.owner.published_count += delta
         if k:
-            self._enqueue(out[:k])
+            # A copy unless it is most of `out`: the queue keeps it (a view kept all of out)
+            self._enqueue(out[:k] if 2 * k >= len(out) else out[:k].copy())
         return int(held)
 
     def recount(self) -> None:

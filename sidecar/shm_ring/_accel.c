@@ -27,7 +27,7 @@
 /* Raised with every change to a signature or behaviour here; compiled.py uses the module only
  * if it equals its own ACCEL_ABI, so a stale in-place build is never called with the wrong
  * arguments (it falls back to the numpy / Python forms instead). */
-#define ACCEL_ABI 23
+#define ACCEL_ABI 24
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 /* Must equal sidecar/shm_ring/layout.py's KIND_STORED / KIND_REMOVED (a test compares). */
 #define KIND_STORED 1
@@ -1800,8 +1800,10 @@ none0:
 #define W_INC_GEN 24
 
 /* ring_fold(hdr, slots, head, base, gen, dropped, room, tkeys, tpos, dense, n, masks, acked,
- *           queued, required, out) -> m records folded (0: none there), or (m, new n, queued,
- *           published delta); None: declined, nothing read (the caller's read() path).
+ *           queued, required, out, res) -> True with res (int64, 4 entries) = (m records
+ *           folded, 0: none there; new n; queued; published delta), written in place so that
+ *           nothing can fail once the table changed; None: declined, nothing read (the
+ *           caller's read() path).
  * A steady-state read of the ring (reader.py RingReader.read) and its fold (fold_records) in
  * one call: the tail is loaded first, then the incarnation generation, which must still be
  * `gen` (even), and the drop counter, still `dropped`; the records from `head` (carrying seqs
@@ -1814,15 +1816,15 @@ none0:
  * holds at least the ring's capacity (m records at most). */
 static PyObject *ring_fold(PyObject *self, PyObject *args) {
     PyObject *o_hdr, *o_slots, *o_tkeys, *o_tpos, *o_dense, *o_masks, *o_acked, *o_queued,
-        *o_out;
+        *o_out, *o_res;
     unsigned long long head, base, gen, dropped;
     Py_ssize_t room, n;
     long long required;
-    if (!PyArg_ParseTuple(args, "OOKKKKnOOOnOOOLO", &o_hdr, &o_slots, &head, &base, &gen,
+    if (!PyArg_ParseTuple(args, "OOKKKKnOOOnOOOLOO", &o_hdr, &o_slots, &head, &base, &gen,
                           &dropped, &room, &o_tkeys, &o_tpos, &o_dense, &n, &o_masks, &o_acked,
-                          &o_queued, &required, &o_out))
+                          &o_queued, &required, &o_out, &o_res))
         return NULL;
-    Py_buffer vh, vs, vt, vp, vd, vk, va, vq, vo;
+    Py_buffer vh, vs, vt, vp, vd, vk, va, vq, vo, vr;
     PyObject *result = NULL;
     if (kvcm_view(o_hdr, &vh, 8, 1, "hdr") < 0) return NULL;
     if (kvcm_view(o_slots, &vs, 8, 0, "slots") < 0) goto r0;
@@ -1833,11 +1835,14 @@ static PyObject *ring_fold(PyObject *self, PyObject *args) {
     if (kvcm_view(o_acked, &va, 1, 1, "acked") < 0) goto r5;
     if (kvcm_view(o_queued, &vq, 1, 1, "queued") < 0) goto r6;
     if (kvcm_view(o_out, &vo, 8, 1, "out") < 0) goto r7;
+    if (kvcm_view(o_res, &vr, 8, 1, "res") < 0) goto r8;
     volatile uint64_t *hdr = vh.buf;
     const uint64_t *slots = vs.buf;
     const Py_ssize_t rcap = vs.len / 32, cap = vt.len / 8;
     const int64_t req = (int64_t)required;
+    int64_t *res = vr.buf;
     if (vh.len / 8 <= W_INC_GEN || rcap < 1 || (rcap & (rcap - 1)) || vo.len / 8 < rcap ||
+        vr.len / 8 < 4 ||
         vp.len != vt.len || (cap & (cap - 1)) || cap < 2 || n < 0 ||
         (req & (FOLD_TOUCHED | FOLD_WAS)) || req < 0 || base < 1 || (gen & 1))
         goto none;
@@ -1856,13 +1861,18 @@ static PyObject *ring_fold(PyObject *self, PyObject *args) {
     clock_gettime(CLOCK_MONOTONIC, &ts); /* time.monotonic_ns(): the reader is alive */
     if (m == 0) {
         hdr[W_READER_LIVENESS_NS] = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-        result = PyLong_FromLong(0);
-        goto r8;
+        res[0] = 0;
+        res[1] = n;
+        res[2] = 0;
+        res[3] = 0;
+        result = Py_True;
+        Py_INCREF(result);
+        goto r9;
     }
     uint64_t *rec = PyMem_Malloc((size_t)m * 32);
     if (rec == NULL) {
         PyErr_NoMemory();
-        goto r8;
+        goto r9;
     }
     const Py_ssize_t mask = rcap - 1, start = (Py_ssize_t)(head & (uint64_t)mask);
     for (Py_ssize_t i = 0; i < m; i += 2) /* two slots a line: the misses overlap */
@@ -1889,13 +1899,20 @@ static PyObject *ring_fold(PyObject *self, PyObject *args) {
     const int r = fold_core(rec, m, vt.buf, vp.buf, vd.buf, &n, cap, vk.buf, va.buf, vq.buf,
                             req, vo.buf, &n_out, &delta);
     PyMem_Free(rec);
-    if (r < 0) goto r8;
+    if (r < 0) goto r9;
     hdr[W_READER_LIVENESS_NS] = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-    result = Py_BuildValue("nnnL", m, n, r ? (Py_ssize_t)-1 : n_out, r ? 0LL : delta);
-    goto r8;
+    res[0] = m;
+    res[1] = n;
+    res[2] = r ? -1 : n_out;
+    res[3] = r ? 0 : delta;
+    result = Py_True;
+    Py_INCREF(result);
+    goto r9;
 none:
     result = Py_None;
     Py_INCREF(result);
+r9:
+    PyBuffer_Release(&vr);
 r8:
     PyBuffer_Release(&vo);
 r7:
@@ -1918,7 +1935,9 @@ r0:
 }
 
 /* count_fold(keys, signs, tkeys, tpos, dense, n, room, col, flags, masks, acked, queued,
- *            required, bit, out) -> None, or (new n, queued, held delta, published delta)
+ *            required, bit, out, res) -> None, or True with res (int64, 4 entries) = (new n,
+ *            queued, held delta, published delta): written in place, so once the tables have
+ *            changed nothing can fail (no object to build)
  * The ZMQ source's fold of one (medium, group)'s block events (block_counts.py _apply_one) in
  * one call: KeyTable.find(keys, insert=True), zmq_count's clamped walk of `col` (the group's
  * store counts) in arrival order, then bits_apply of the positions whose count went from 0 to
@@ -1930,14 +1949,14 @@ r0:
  * columns) is scratch and left zeroed; out holds len(keys). */
 static PyObject *count_fold(PyObject *self, PyObject *args) {
     PyObject *o_keys, *o_signs, *o_tkeys, *o_tpos, *o_dense, *o_col, *o_flags, *o_masks,
-        *o_acked, *o_queued, *o_out;
+        *o_acked, *o_queued, *o_out, *o_res;
     Py_ssize_t n, room;
     long long required, bit;
-    if (!PyArg_ParseTuple(args, "OOOOOnnOOOOOLLO", &o_keys, &o_signs, &o_tkeys, &o_tpos,
+    if (!PyArg_ParseTuple(args, "OOOOOnnOOOOOLLOO", &o_keys, &o_signs, &o_tkeys, &o_tpos,
                           &o_dense, &n, &room, &o_col, &o_flags, &o_masks, &o_acked, &o_queued,
-                          &required, &bit, &o_out))
+                          &required, &bit, &o_out, &o_res))
         return NULL;
-    Py_buffer vk, vs, vt, vp, vd, vc, vf, vm, va, vq, vo;
+    Py_buffer vk, vs, vt, vp, vd, vc, vf, vm, va, vq, vo, vr;
     PyObject *result = NULL;
     if (kvcm_view(o_keys, &vk, 8, 0, "keys") < 0) return NULL;
     if (kvcm_view(o_signs, &vs, 8, 0, "signs") < 0) goto r0;
@@ -1950,9 +1969,11 @@ static PyObject *count_fold(PyObject *self, PyObject *args) {
     if (kvcm_view(o_acked, &va, 1, 1, "acked") < 0) goto r7;
     if (kvcm_view(o_queued, &vq, 1, 1, "queued") < 0) goto r8;
     if (kvcm_view(o_out, &vo, 8, 1, "out") < 0) goto r9;
+    if (kvcm_view(o_res, &vr, 8, 1, "res") < 0) goto r10;
     const Py_ssize_t m = vk.len / 8, cap = vt.len / 8, need = n + m;
     const int64_t req = (int64_t)required;
-    if (vs.len / 8 != m || vo.len / 8 < m || m > room || vp.len != vt.len || (cap & (cap - 1)) ||
+    if (vs.len / 8 != m || vo.len / 8 < m || vr.len / 8 < 4 || m > room || vp.len != vt.len ||
+        (cap & (cap - 1)) ||
         cap < 2 || n < 0 || need >= cap || vd.len / 8 < need || vc.len / 8 < need ||
         vf.len < need || vm.len / 8 < need || va.len < need || vq.len < need ||
         (req & (FOLD_TOUCHED | FOLD_WAS)) || req < 0 || bit <= 0 || (bit & (bit - 1)) ||
@@ -1965,7 +1986,7 @@ static PyObject *count_fold(PyObject *self, PyObject *args) {
     int64_t *pos = PyMem_Malloc(m ? (size_t)m * 8 : 8);
     if (pos == NULL) {
         PyErr_NoMemory();
-        goto r10;
+        goto r11;
     }
     int shift = 64;
     for (Py_ssize_t c = cap; c > 1; c >>= 1) shift--;
@@ -2015,11 +2036,19 @@ static PyObject *count_fold(PyObject *self, PyObject *args) {
             out[k++] = p; /* k <= t: written behind the read */
         }
     }
-    result = Py_BuildValue("nnnL", n, k, held, delta);
-    goto r10;
+    int64_t *res = vr.buf;
+    res[0] = n;
+    res[1] = k;
+    res[2] = held;
+    res[3] = delta;
+    result = Py_True;
+    Py_INCREF(result);
+    goto r11;
 none:
     result = Py_None;
     Py_INCREF(result);
+r11:
+    PyBuffer_Release(&vr);
 r10:
     PyBuffer_Release(&vo);
 r9:
@@ -2261,9 +2290,9 @@ static PyMethodDef methods[] = {
     {"fold_records", fold_records, METH_VARARGS,
      "fold_records(records, tkeys, tpos, dense, n, masks, acked, queued, required, out) -> (n, queued, delta) or None"},
     {"ring_fold", ring_fold, METH_VARARGS,
-     "ring_fold(hdr, slots, head, base, gen, dropped, room, tkeys, tpos, dense, n, masks, acked, queued, required, out) -> 0, (m, n, queued, delta) or None"},
+     "ring_fold(hdr, slots, head, base, gen, dropped, room, tkeys, tpos, dense, n, masks, acked, queued, required, out, res) -> True (res: m, n, queued, delta) or None"},
     {"count_fold", count_fold, METH_VARARGS,
-     "count_fold(keys, signs, tkeys, tpos, dense, n, room, col, flags, masks, acked, queued, required, bit, out) -> (n, queued, held, delta) or None"},
+     "count_fold(keys, signs, tkeys, tpos, dense, n, room, col, flags, masks, acked, queued, required, bit, out, res) -> True (res: n, queued, held, delta) or None"},
     {"take_queue", take_queue, METH_VARARGS,
      "take_queue(queue, masks, acked, queued, dense, required, limit, pos, keys, pub, split) -> (taken, adds, done, offset, consumed)"},
     {"confirm_run", confirm_run, METH_VARARGS, "confirm_run(pos, adds, masks, acked, queued, required, out) -> (queued, delta)"},

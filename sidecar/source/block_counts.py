@@ -131,7 +131,7 @@ class BlockCounts:
             if len(self._flags) < len(col):
                 self._flags = np.zeros(max(len(col), 2 * len(self._flags)), np.uint8)
             out = np.empty((3, len(pos)), np.int64)  # fresh: the key state may keep them
-            d = signs.astype(np.int64, copy=False)
+            d = np.ascontiguousarray(signs, np.int64)  # zmq_count takes C order only
             nf, held = accel.zmq_count(pos, d, col, self._flags, out, 1 << group)
             self._held += held
             if nf:
