@@ -393,10 +393,10 @@ def test_accel_fold_records_declines_before_any_change(meta: int) -> None:
     assert [q.tolist() for q in t.queue] == [q.tolist() for q in before[4]]
 
 
-STEP_RECORD = st.tuples(
-    st.sampled_from([L.KIND_STORED] * 8 + [L.KIND_REMOVED] * 6 + [L.KIND_CLEARED]),
-    st.sampled_from([0] * 12 + [1, 61]),  # group (61: one the fold's marks need)
-    st.sampled_from([0] * 20 + [1, 7]),  # medium (7: outside the table)
+STEP_RECORD = st.tuples(  # mostly what the one-call read takes, now and then what it declines
+    st.sampled_from([L.KIND_STORED] * 18 + [L.KIND_REMOVED] * 12 + [L.KIND_CLEARED]),
+    st.sampled_from([0] * 40 + [1, 61]),  # group (61: one the fold's marks need)
+    st.sampled_from([0] * 40 + [1, 7]),  # medium (7: outside the table)
     st.integers(-5, 30),  # key: repeats within and across reads
 )
 
@@ -405,10 +405,11 @@ STEP_RECORD = st.tuples(
 @given(
     steps=st.lists(
         st.tuples(
-            st.lists(STEP_RECORD, max_size=24),  # one engine write (more than 16: drops)
-            st.integers(-1, 16),  # a torn slot among the unread (-1: none)
+            st.lists(STEP_RECORD, max_size=12),  # one engine write
+            st.integers(-1, 150),  # a torn slot among the unread (-1 or beyond the lag: none)
             st.booleans(),  # full step
             st.integers(-1, 8),  # then take a batch of this many and confirm it (-1: none)
+            st.integers(0, 15),  # 0: 20 more records first (the ring overflows: drops)
         ),
         max_size=12,
     ),
@@ -417,7 +418,7 @@ STEP_RECORD = st.tuples(
     rebuild_step=st.integers(1, 6),
 )
 def test_accel_ring_fold_step_equals_read_then_fold(
-    steps: list[tuple[list[tuple[int, int, int, int]], int, bool, int]],
+    steps: list[tuple[list[tuple[int, int, int, int]], int, bool, int, int]],
     tiny: bool,
     fresh: bool,
     rebuild_step: int,
@@ -432,14 +433,60 @@ def test_accel_ring_fold_step_equals_read_then_fold(
     if tiny:
         key_state._MIN_CAP, key_table.REBUILD_STEP = 4, rebuild_step
     try:
-        _fold_steps(steps, fresh)
+        fast, total = _fold_steps(steps, fresh, event)
     finally:
         key_state._MIN_CAP, key_table.REBUILD_STEP = old
+    event(f"one-call steps: {'none' if not fast else 'all' if fast == total else 'some'}")
+
+
+def test_accel_ring_fold_takes_the_one_call_path_through_reindexes_and_takes() -> None:
+    """The equality above with no drop, torn slot or unusual record: most steps take the
+    one-call path (read() not called), also while the table grows and re-indexes stepwise
+    and batches are taken and confirmed between steps (so the equality covers that path)."""
+    old = key_state._MIN_CAP, key_table.REBUILD_STEP
+    key_state._MIN_CAP, key_table.REBUILD_STEP = 4, 2
+    try:
+        steps = [
+            (
+                [(L.KIND_STORED, 0, 0, k) for k in range(6)] + [(L.KIND_REMOVED, 0, 0, 2)],
+                -1,
+                True,
+                4,
+                1,
+            )
+            for _ in range(40)
+        ]
+        with _epochs() as epochs:
+            fast, total = _fold_steps(steps, True, lambda _what: None)
+    finally:
+        key_state._MIN_CAP, key_table.REBUILD_STEP = old
+    assert total == 40 and fast >= 20 and max(epochs) > 0  # re-indexed under the steps
+
+
+@contextmanager
+def _epochs() -> Iterator[list[int]]:
+    """The medium-0 key table epochs seen by take_batch (how often the table re-indexed)."""
+    seen: list[int] = [0]
+    real = KeyState.take_batch
+
+    def take(self: KeyState, limit: int) -> Batch:
+        seen.append(self._tiers[0].t.epoch)
+        return real(self, limit)
+
+    KeyState.take_batch = take  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        KeyState.take_batch = real  # type: ignore[method-assign]
 
 
 def _fold_steps(
-    steps: list[tuple[list[tuple[int, int, int, int]], int, bool, int]], fresh: bool
-) -> None:
+    steps: list[tuple[list[tuple[int, int, int, int]], int, bool, int, int]],
+    fresh: bool,
+    note: Callable[[str], None],
+) -> tuple[int, int]:
+    """Both paths over the same writes, compared after every step; (steps side "c" read in
+    one call, steps)."""
     from sidecar.source.engine_sync import EngineSync, Sync
 
     with _ring() as (wa, ra), _ring() as (wb, rb):
@@ -453,13 +500,25 @@ def _fold_steps(
                 False,
             )
             syncs.append(sync)
-        for i, (recs, torn, full, take) in enumerate(steps):
+        reads = [0]
+        real_read = ra.read
+
+        def read(*args: Any) -> Any:
+            reads[0] += 1
+            return real_read(*args)
+
+        ra.read = read  # type: ignore[method-assign,assignment]
+        fast = 0
+        for i, (recs, torn, full, take, burst) in enumerate(steps):
             keys = np.array([k + (1000 * i if fresh else 0) for *_x, k in recs], np.int64)
             metas = np.array([L.pack_meta(kd, g, m) for kd, g, m, _k in recs], np.uint64)
             outs = []
+            before = reads[0]
             for (sync, w), which in zip(
                 ((syncs[0], wa), (syncs[1], wb)), ("c", "no_ring_fold"), strict=True
             ):
+                if burst == 0:
+                    w.write(np.arange(20, dtype=np.int64) + 5000, L.pack_meta(L.KIND_STORED))
                 w.write(keys, metas)
                 r = sync.reader
                 if 0 <= torn < r.lag():
@@ -467,10 +526,11 @@ def _fold_steps(
                 with backend(which):
                     res = sync.step(full=full)
                 outs.append((res.records, res.resynced))
+            fast += reads[0] == before
             a, b = syncs
-            event(f"status={a.status.value} records={outs[0][0] > 0}")
+            note(f"status={a.status.value} records={outs[0][0] > 0}")
             if a.keys._tiers[0].t.epoch:
-                event("re-indexed")
+                note("re-indexed")
             assert outs[0] == outs[1]
             assert _state(a.keys) == _state(b.keys)
             assert a.reader.head == b.reader.head and a.last_seq == b.last_seq
@@ -489,6 +549,7 @@ def _fold_steps(
                     for s, bt in zip(syncs, batches, strict=True):
                         s.keys.confirm(bt)
                 assert _state(a.keys) == _state(b.keys)
+        return fast, len(steps)
 
 
 def test_accel_ring_fold_reads_a_steady_step_in_one_call() -> None:
@@ -556,29 +617,68 @@ def test_accel_count_fold_equals_find_count_and_bits(
     order), the counts and the held total, through repeats, removes below 0, several groups
     and mediums, required-group changes, batches taken and confirmed, and a table that grows
     and re-indexes stepwise."""
-    from sidecar.source.block_counts import BlockCounts
-
     old = key_state._MIN_CAP, key_table.REBUILD_STEP
     if tiny:
         key_state._MIN_CAP, key_table.REBUILD_STEP = 4, rebuild_step
     try:
-        sides = {w: BlockCounts(KeyState((0,), clock=lambda: 1.0)) for w in ("c", "no_count_fold")}
-        for i, (op, a0, a1, a2, small) in enumerate(ops):
-            for w, bc in sides.items():
-                with backend(w):
-                    if op == "events":
-                        keys = np.array([k + (1000 * i if fresh else 0) for k, _s in a2], np.int64)
-                        signs = np.array([sg for _k, sg in a2], np.int8 if small else np.int64)
-                        bc.apply_at(a0, a1, keys, signs)
-                    elif op == "take":
-                        bc.keys.confirm(bc.keys.take_batch(a0))
-                    else:
-                        _required(bc.keys, a0)
-            a, b = sides["c"], sides["no_count_fold"]
-            if a.keys._tiers[0].t.epoch:
-                event("re-indexed")
-            assert _state(a.keys) == _state(b.keys)
-            assert a.counts() == b.counts() and a.held() == b.held()
-            assert not a._flags.any()  # the scratch is left zeroed
+        used = _count_steps(ops, fresh, event)
     finally:
         key_state._MIN_CAP, key_table.REBUILD_STEP = old
+    event(f"one-call folds: {'none' if not used else 'some'}")
+
+
+def test_accel_count_fold_takes_the_one_call_path_and_declines_int8_signs() -> None:
+    """The equality above, with the one-call fold shown to run: int64 signs take it (also
+    while the table grows and re-indexes stepwise, between takes), int8 signs never."""
+    old = key_state._MIN_CAP, key_table.REBUILD_STEP
+    key_state._MIN_CAP, key_table.REBUILD_STEP = 4, 2
+    try:
+        events = [(k, 1) for k in range(8)] + [(3, -1), (3, -1), (5, 1)]
+        ops: list[tuple[Any, Any, Any, Any, bool]] = []
+        for _ in range(30):
+            ops += [("events", 0, 0, events, False), ("take", 5, 0, [], False)]
+        with _epochs() as epochs:
+            assert _count_steps(ops, True, lambda _what: None) >= 15
+        assert max(epochs) > 0  # it re-indexed under the folds
+        small = [("events", 0, 1, events, True)] * 5
+        assert _count_steps(small, True, lambda _what: None) == 0
+    finally:
+        key_state._MIN_CAP, key_table.REBUILD_STEP = old
+
+
+def _count_steps(
+    ops: list[tuple[Any, Any, Any, Any, bool]], fresh: bool, note: Callable[[str], None]
+) -> int:
+    """Both paths over the same ops, compared after each; how many folds side "c" did in one
+    call."""
+    from sidecar.source.block_counts import BlockCounts
+
+    sides = {w: BlockCounts(KeyState((0,), clock=lambda: 1.0)) for w in ("c", "no_count_fold")}
+    used = 0
+    real = sides["c"].keys.fold_counts
+
+    def fold_counts(*args: Any) -> int | None:
+        nonlocal used
+        got = real(*args)
+        used += got is not None
+        return got
+
+    sides["c"].keys.fold_counts = fold_counts  # type: ignore[method-assign,assignment]
+    for i, (op, a0, a1, a2, small) in enumerate(ops):
+        for w, bc in sides.items():
+            with backend(w):
+                if op == "events":
+                    keys = np.array([k + (1000 * i if fresh else 0) for k, _s in a2], np.int64)
+                    signs = np.array([sg for _k, sg in a2], np.int8 if small else np.int64)
+                    bc.apply_at(a0, a1, keys, signs)
+                elif op == "take":
+                    bc.keys.confirm(bc.keys.take_batch(a0))
+                else:
+                    _required(bc.keys, a0)
+        a, b = sides["c"], sides["no_count_fold"]
+        if a.keys._tiers[0].t.epoch:
+            note("re-indexed")
+        assert _state(a.keys) == _state(b.keys)
+        assert a.counts() == b.counts() and a.held() == b.held()
+        assert not a._flags.any()  # the scratch is left zeroed
+    return used
