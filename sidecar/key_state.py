@@ -197,6 +197,15 @@ class _Tier:
         self.ndirty += len(pos)
         o._ndirty += len(pos)
 
+    def _folded(self, delta: int, out: np.ndarray, k: int, keep: bool = True) -> None:
+        """A C fold's result: the published count moves by `delta`, and out[:k] (positions
+        the C has marked queued) join the dirty queue; `keep` False: `out` is used again, so
+        the queue gets a copy."""
+        self.published_count += delta
+        self.owner.published_count += delta
+        if k:
+            self._enqueue(out[:k] if keep else out[:k].copy())
+
     def fold_records(self, records: np.ndarray) -> bool:
         """apply_records of (n, 4) ring records, all stored/removed of medium 0, in one C call
         (_accel.fold_records: find, fold, mark_dirty). False, with nothing folded: a clear,
@@ -231,10 +240,7 @@ class _Tier:
         idx.n, k, delta = got  # the keys are in even when it declined the fold (k < 0)
         if k < 0:
             return False
-        self.published_count += delta
-        self.owner.published_count += delta
-        if k:
-            self._enqueue(out[:k])
+        self._folded(delta, out, k)
         return True
 
     def fold_ring(
@@ -278,10 +284,7 @@ class _Tier:
         m, idx.n, k, delta = self._res.tolist()  # the keys are in even if it declined (k < 0)
         if k < 0:
             return -1
-        self.published_count += delta
-        self.owner.published_count += delta
-        if k:
-            self._enqueue(out[:k].copy())  # the queue keeps it; `out` is used again
+        self._folded(delta, out, k, keep=False)  # `out` serves every read
         return int(m)
 
     def fold_counts(
@@ -321,11 +324,7 @@ class _Tier:
         if got is None:
             return None
         idx.n, k, held, delta = self._res.tolist()
-        self.published_count += delta
-        self.owner.published_count += delta
-        if k:
-            # A copy unless it is most of `out`: the queue keeps it (a view kept all of out)
-            self._enqueue(out[:k] if 2 * k >= len(out) else out[:k].copy())
+        self._folded(delta, out, k, keep=2 * k >= len(out))  # a view would keep all of out
         return int(held)
 
     def recount(self) -> None:
@@ -367,10 +366,7 @@ class _Tier:
             got = bits(pos, set_m, clr_m, cols["masks"], cols["queued"], o.required, out)
             if got is not None:  # None: not int64 / contiguous / in the table: numpy's turn
                 k, delta = got
-                self.published_count += delta
-                o.published_count += delta
-                if k:  # C has set queued at out[:k]
-                    self._enqueue(out[:k])
+                self._folded(delta, out, k)  # C has set queued at out[:k]
                 return
         old = self.masks[pos]
         new = (old & ~clr_m) | set_m

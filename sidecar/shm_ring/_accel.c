@@ -1686,6 +1686,35 @@ static inline int fold_records_ok(const uint64_t *rec, Py_ssize_t m) {
     return 1;
 }
 
+/* KeyTable.find(keys, insert=True) for keys[i * stride], i < m, into pos, with n + m below the
+ * index's slots (so a slot is free for each): a new key's columns are zeroed (masks, acked,
+ * queued and, when given, col). The index is cold after the event loop's sleep: a probe per
+ * key in turn would wait for one cache miss after another, so every home slot is fetched
+ * first. */
+static void find_insert(const int64_t *keys, Py_ssize_t stride, Py_ssize_t m, int64_t *tkeys,
+                        int64_t *tpos, int64_t *dense, Py_ssize_t *n, Py_ssize_t cap,
+                        int64_t *masks, uint8_t *acked, uint8_t *queued, int64_t *col,
+                        int64_t *pos) {
+    int shift = 64;
+    for (Py_ssize_t c = cap; c > 1; c >>= 1) shift--;
+    const uint64_t smask = (uint64_t)cap - 1;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const uint64_t h = ((uint64_t)keys[i * stride] * GOLDEN) >> shift;
+        __builtin_prefetch(&tpos[h]);
+        __builtin_prefetch(&tkeys[h]);
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const Py_ssize_t before = *n;
+        pos[i] = index_probe(keys[i * stride], tkeys, tpos, dense, n, smask, shift, 1);
+        if (*n != before) {
+            masks[before] = 0;
+            acked[before] = 0;
+            queued[before] = 0;
+            if (col != NULL) col[before] = 0;
+        }
+    }
+}
+
 /* The fold of fold_records / ring_fold, for m checked records (fold_records_ok) and an index
  * with room (n + m < cap): 0 done (*n, *n_out, *delta set), 1 declined with the keys in (a
  * mask carried the fold's marks: *n set, nothing else changed), -1 out of memory (raised). */
@@ -1698,26 +1727,9 @@ static int fold_core(const uint64_t *rec, Py_ssize_t m, int64_t *tkeys, int64_t 
         PyErr_NoMemory();
         return -1;
     }
-    int shift = 64;
-    for (Py_ssize_t c = cap; c > 1; c >>= 1) shift--;
-    const uint64_t smask = (uint64_t)cap - 1;
-    /* The index is cold after the event loop's sleep: a probe per key in turn waits for one
-     * cache miss after another. Their home slots are fetched all at once first. */
-    for (Py_ssize_t i = 0; i < m; i++) {
-        const uint64_t s = ((uint64_t)rec[4 * i + 1] * GOLDEN) >> shift;
-        __builtin_prefetch(&tpos[s]);
-        __builtin_prefetch(&tkeys[s]);
-    }
-    for (Py_ssize_t i = 0; i < m; i++) { /* find(insert=True): n + m < cap, a slot is free */
-        const Py_ssize_t before = *n;
-        pos[i] = index_probe((int64_t)rec[4 * i + 1], tkeys, tpos, dense, n, smask, shift, 1);
-        if (*n != before) { /* new: its columns start zeroed */
-            masks[before] = 0;
-            acked[before] = 0;
-            queued[before] = 0;
-        }
-    }
-    for (Py_ssize_t i = 0; i < m; i++) { /* the same for the keys' columns */
+    find_insert((const int64_t *)rec + 1, 4, m, tkeys, tpos, dense, n, cap, masks, acked, queued,
+                NULL, pos);
+    for (Py_ssize_t i = 0; i < m; i++) { /* the keys' columns, fetched as the index was */
         __builtin_prefetch(&masks[pos[i]]);
         __builtin_prefetch(&queued[pos[i]]);
     }
@@ -1794,6 +1806,27 @@ none0:
     Py_RETURN_NONE;
 }
 
+/* The buffers of ring_fold / count_fold, taken in order: on a failure those taken are released
+ * and -1 returned (raised); views_release gives back all n. */
+typedef struct {
+    Py_ssize_t itemsize;
+    int writable;
+    const char *what;
+} ViewSpec;
+
+static int views_take(PyObject *const *objs, const ViewSpec *spec, Py_buffer *v, int n) {
+    for (int i = 0; i < n; i++)
+        if (kvcm_view(objs[i], &v[i], spec[i].itemsize, spec[i].writable, spec[i].what) < 0) {
+            while (i-- > 0) PyBuffer_Release(&v[i]);
+            return -1;
+        }
+    return 0;
+}
+
+static void views_release(Py_buffer *v, int n) {
+    while (n-- > 0) PyBuffer_Release(&v[n]);
+}
+
 /* More ring header words (layout.py; tests/unit/test_accel.py compares). */
 #define W_DROPPED 9
 #define W_READER_LIVENESS_NS 19
@@ -1824,27 +1857,33 @@ static PyObject *ring_fold(PyObject *self, PyObject *args) {
                           &dropped, &room, &o_tkeys, &o_tpos, &o_dense, &n, &o_masks, &o_acked,
                           &o_queued, &required, &o_out, &o_res))
         return NULL;
-    Py_buffer vh, vs, vt, vp, vd, vk, va, vq, vo, vr;
+    enum { HDR, SLOTS, TKEYS, TPOS, DENSE, MASKS, ACKED, QUEUED, OUT, RES, NV };
+    static const ViewSpec spec[NV] = {
+        {8, 1, "hdr"},
+        {8, 0, "slots"},
+        {8, 1, "tkeys"},
+        {8, 1, "tpos"},
+        {8, 1, "dense"},
+        {8, 1, "masks"},
+        {1, 1, "acked"},
+        {1, 1, "queued"},
+        {8, 1, "out"},
+        {8, 1, "res"},
+    };
+    PyObject *const objs[NV] = {o_hdr,   o_slots, o_tkeys,  o_tpos, o_dense,
+                                o_masks, o_acked, o_queued, o_out,  o_res};
+    Py_buffer v[NV];
     PyObject *result = NULL;
-    if (kvcm_view(o_hdr, &vh, 8, 1, "hdr") < 0) return NULL;
-    if (kvcm_view(o_slots, &vs, 8, 0, "slots") < 0) goto r0;
-    if (kvcm_view(o_tkeys, &vt, 8, 1, "tkeys") < 0) goto r1;
-    if (kvcm_view(o_tpos, &vp, 8, 1, "tpos") < 0) goto r2;
-    if (kvcm_view(o_dense, &vd, 8, 1, "dense") < 0) goto r3;
-    if (kvcm_view(o_masks, &vk, 8, 1, "masks") < 0) goto r4;
-    if (kvcm_view(o_acked, &va, 1, 1, "acked") < 0) goto r5;
-    if (kvcm_view(o_queued, &vq, 1, 1, "queued") < 0) goto r6;
-    if (kvcm_view(o_out, &vo, 8, 1, "out") < 0) goto r7;
-    if (kvcm_view(o_res, &vr, 8, 1, "res") < 0) goto r8;
-    volatile uint64_t *hdr = vh.buf;
-    const uint64_t *slots = vs.buf;
-    const Py_ssize_t rcap = vs.len / 32, cap = vt.len / 8;
+    if (views_take(objs, spec, v, NV) < 0) return NULL;
+    volatile uint64_t *hdr = v[HDR].buf;
+    const uint64_t *slots = v[SLOTS].buf;
+    const Py_ssize_t rcap = v[SLOTS].len / 32, cap = v[TKEYS].len / 8;
     const int64_t req = (int64_t)required;
-    int64_t *res = vr.buf;
-    if (vh.len / 8 <= W_INC_GEN || rcap < 1 || (rcap & (rcap - 1)) || vo.len / 8 < rcap ||
-        vr.len / 8 < 4 ||
-        vp.len != vt.len || (cap & (cap - 1)) || cap < 2 || n < 0 ||
-        (req & (FOLD_TOUCHED | FOLD_WAS)) || req < 0 || base < 1 || (gen & 1))
+    int64_t *res = v[RES].buf;
+    if (v[HDR].len / 8 <= W_INC_GEN || rcap < 1 || (rcap & (rcap - 1)) ||
+        v[OUT].len / 8 < rcap || v[RES].len / 8 < 4 || v[TPOS].len != v[TKEYS].len ||
+        (cap & (cap - 1)) || cap < 2 || n < 0 || (req & (FOLD_TOUCHED | FOLD_WAS)) || req < 0 ||
+        base < 1 || (gen & 1))
         goto none;
     /* The tail before the incarnation (reader.py's invariant), each load an acquire. */
     const uint64_t tail = __atomic_load_n((uint64_t *)&hdr[W_TAIL], __ATOMIC_ACQUIRE);
@@ -1854,8 +1893,8 @@ static PyObject *ring_fold(PyObject *self, PyObject *args) {
     const uint64_t m64 = tail - head;
     if (m64 > (uint64_t)rcap || (Py_ssize_t)m64 > room) goto none; /* also tail < head */
     const Py_ssize_t m = (Py_ssize_t)m64;
-    if (n + m >= cap || vd.len / 8 < n + m || vk.len / 8 < n + m || va.len < n + m ||
-        vq.len < n + m)
+    if (n + m >= cap || v[DENSE].len / 8 < n + m || v[MASKS].len / 8 < n + m ||
+        v[ACKED].len < n + m || v[QUEUED].len < n + m)
         goto none;
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts); /* time.monotonic_ns(): the reader is alive */
@@ -1867,12 +1906,12 @@ static PyObject *ring_fold(PyObject *self, PyObject *args) {
         res[3] = 0;
         result = Py_True;
         Py_INCREF(result);
-        goto r9;
+        goto done;
     }
     uint64_t *rec = PyMem_Malloc((size_t)m * 32);
     if (rec == NULL) {
         PyErr_NoMemory();
-        goto r9;
+        goto done;
     }
     const Py_ssize_t mask = rcap - 1, start = (Py_ssize_t)(head & (uint64_t)mask);
     for (Py_ssize_t i = 0; i < m; i += 2) /* two slots a line: the misses overlap */
@@ -1896,10 +1935,11 @@ static PyObject *ring_fold(PyObject *self, PyObject *args) {
     }
     Py_ssize_t n_out = 0;
     long long delta = 0;
-    const int r = fold_core(rec, m, vt.buf, vp.buf, vd.buf, &n, cap, vk.buf, va.buf, vq.buf,
-                            req, vo.buf, &n_out, &delta);
+    const int r = fold_core(rec, m, v[TKEYS].buf, v[TPOS].buf, v[DENSE].buf, &n, cap,
+                            v[MASKS].buf, v[ACKED].buf, v[QUEUED].buf, req, v[OUT].buf, &n_out,
+                            &delta);
     PyMem_Free(rec);
-    if (r < 0) goto r9;
+    if (r < 0) goto done;
     hdr[W_READER_LIVENESS_NS] = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
     res[0] = m;
     res[1] = n;
@@ -1907,30 +1947,12 @@ static PyObject *ring_fold(PyObject *self, PyObject *args) {
     res[3] = r ? 0 : delta;
     result = Py_True;
     Py_INCREF(result);
-    goto r9;
+    goto done;
 none:
     result = Py_None;
     Py_INCREF(result);
-r9:
-    PyBuffer_Release(&vr);
-r8:
-    PyBuffer_Release(&vo);
-r7:
-    PyBuffer_Release(&vq);
-r6:
-    PyBuffer_Release(&va);
-r5:
-    PyBuffer_Release(&vk);
-r4:
-    PyBuffer_Release(&vd);
-r3:
-    PyBuffer_Release(&vp);
-r2:
-    PyBuffer_Release(&vt);
-r1:
-    PyBuffer_Release(&vs);
-r0:
-    PyBuffer_Release(&vh);
+done:
+    views_release(v, NV);
     return result;
 }
 
@@ -1956,56 +1978,46 @@ static PyObject *count_fold(PyObject *self, PyObject *args) {
                           &o_dense, &n, &room, &o_col, &o_flags, &o_masks, &o_acked, &o_queued,
                           &required, &bit, &o_out, &o_res))
         return NULL;
-    Py_buffer vk, vs, vt, vp, vd, vc, vf, vm, va, vq, vo, vr;
+    enum { KEYS, SIGNS, TKEYS, TPOS, DENSE, COL, FLAGS, MASKS, ACKED, QUEUED, OUT, RES, NV };
+    static const ViewSpec spec[NV] = {
+        {8, 0, "keys"},
+        {8, 0, "signs"},
+        {8, 1, "tkeys"},
+        {8, 1, "tpos"},
+        {8, 1, "dense"},
+        {8, 1, "col"},
+        {1, 1, "flags"},
+        {8, 1, "masks"},
+        {1, 1, "acked"},
+        {1, 1, "queued"},
+        {8, 1, "out"},
+        {8, 1, "res"},
+    };
+    PyObject *const objs[NV] = {o_keys, o_signs, o_tkeys, o_tpos,   o_dense, o_col,
+                                o_flags, o_masks, o_acked, o_queued, o_out, o_res};
+    Py_buffer v[NV];
     PyObject *result = NULL;
-    if (kvcm_view(o_keys, &vk, 8, 0, "keys") < 0) return NULL;
-    if (kvcm_view(o_signs, &vs, 8, 0, "signs") < 0) goto r0;
-    if (kvcm_view(o_tkeys, &vt, 8, 1, "tkeys") < 0) goto r1;
-    if (kvcm_view(o_tpos, &vp, 8, 1, "tpos") < 0) goto r2;
-    if (kvcm_view(o_dense, &vd, 8, 1, "dense") < 0) goto r3;
-    if (kvcm_view(o_col, &vc, 8, 1, "col") < 0) goto r4;
-    if (kvcm_view(o_flags, &vf, 1, 1, "flags") < 0) goto r5;
-    if (kvcm_view(o_masks, &vm, 8, 1, "masks") < 0) goto r6;
-    if (kvcm_view(o_acked, &va, 1, 1, "acked") < 0) goto r7;
-    if (kvcm_view(o_queued, &vq, 1, 1, "queued") < 0) goto r8;
-    if (kvcm_view(o_out, &vo, 8, 1, "out") < 0) goto r9;
-    if (kvcm_view(o_res, &vr, 8, 1, "res") < 0) goto r10;
-    const Py_ssize_t m = vk.len / 8, cap = vt.len / 8, need = n + m;
+    if (views_take(objs, spec, v, NV) < 0) return NULL;
+    const Py_ssize_t m = v[KEYS].len / 8, cap = v[TKEYS].len / 8, need = n + m;
     const int64_t req = (int64_t)required;
-    if (vs.len / 8 != m || vo.len / 8 < m || vr.len / 8 < 4 || m > room || vp.len != vt.len ||
-        (cap & (cap - 1)) ||
-        cap < 2 || n < 0 || need >= cap || vd.len / 8 < need || vc.len / 8 < need ||
-        vf.len < need || vm.len / 8 < need || va.len < need || vq.len < need ||
+    if (v[SIGNS].len / 8 != m || v[OUT].len / 8 < m || v[RES].len / 8 < 4 || m > room ||
+        v[TPOS].len != v[TKEYS].len || (cap & (cap - 1)) || cap < 2 || n < 0 || need >= cap ||
+        v[DENSE].len / 8 < need || v[COL].len / 8 < need || v[FLAGS].len < need ||
+        v[MASKS].len / 8 < need || v[ACKED].len < need || v[QUEUED].len < need ||
         (req & (FOLD_TOUCHED | FOLD_WAS)) || req < 0 || bit <= 0 || (bit & (bit - 1)) ||
         (bit & (FOLD_TOUCHED | FOLD_WAS)))
         goto none;
-    const int64_t *keys = vk.buf, *sg = vs.buf;
-    int64_t *tkeys = vt.buf, *tpos = vp.buf, *dense = vd.buf, *col = vc.buf, *masks = vm.buf;
-    int64_t *out = vo.buf;
-    uint8_t *flags = vf.buf, *acked = va.buf, *queued = vq.buf;
+    const int64_t *keys = v[KEYS].buf, *sg = v[SIGNS].buf;
+    int64_t *tkeys = v[TKEYS].buf, *tpos = v[TPOS].buf, *dense = v[DENSE].buf;
+    int64_t *col = v[COL].buf, *masks = v[MASKS].buf;
+    int64_t *out = v[OUT].buf;
+    uint8_t *flags = v[FLAGS].buf, *acked = v[ACKED].buf, *queued = v[QUEUED].buf;
     int64_t *pos = PyMem_Malloc(m ? (size_t)m * 8 : 8);
     if (pos == NULL) {
         PyErr_NoMemory();
-        goto r11;
+        goto done;
     }
-    int shift = 64;
-    for (Py_ssize_t c = cap; c > 1; c >>= 1) shift--;
-    const uint64_t smask = (uint64_t)cap - 1;
-    for (Py_ssize_t i = 0; i < m; i++) { /* the index is cold: every home slot fetched first */
-        const uint64_t h = ((uint64_t)keys[i] * GOLDEN) >> shift;
-        __builtin_prefetch(&tpos[h]);
-        __builtin_prefetch(&tkeys[h]);
-    }
-    for (Py_ssize_t i = 0; i < m; i++) { /* find(insert=True): n + m < cap, a slot is free */
-        const Py_ssize_t before = n;
-        pos[i] = index_probe(keys[i], tkeys, tpos, dense, &n, smask, shift, 1);
-        if (n != before) { /* new: its columns start zeroed (key_table.py's invariant) */
-            masks[before] = 0;
-            acked[before] = 0;
-            queued[before] = 0;
-            col[before] = 0;
-        }
-    }
+    find_insert(keys, 1, m, tkeys, tpos, dense, &n, cap, masks, acked, queued, col, pos);
     /* zmq_count's walk: touched positions in first-touch order, each count clamped at 0 */
     Py_ssize_t touched = 0;
     for (Py_ssize_t i = 0; i < m; i++) {
@@ -2036,41 +2048,19 @@ static PyObject *count_fold(PyObject *self, PyObject *args) {
             out[k++] = p; /* k <= t: written behind the read */
         }
     }
-    int64_t *res = vr.buf;
+    int64_t *res = v[RES].buf;
     res[0] = n;
     res[1] = k;
     res[2] = held;
     res[3] = delta;
     result = Py_True;
     Py_INCREF(result);
-    goto r11;
+    goto done;
 none:
     result = Py_None;
     Py_INCREF(result);
-r11:
-    PyBuffer_Release(&vr);
-r10:
-    PyBuffer_Release(&vo);
-r9:
-    PyBuffer_Release(&vq);
-r8:
-    PyBuffer_Release(&va);
-r7:
-    PyBuffer_Release(&vm);
-r6:
-    PyBuffer_Release(&vf);
-r5:
-    PyBuffer_Release(&vc);
-r4:
-    PyBuffer_Release(&vd);
-r3:
-    PyBuffer_Release(&vp);
-r2:
-    PyBuffer_Release(&vt);
-r1:
-    PyBuffer_Release(&vs);
-r0:
-    PyBuffer_Release(&vk);
+done:
+    views_release(v, NV);
     return result;
 }
 

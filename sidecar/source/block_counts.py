@@ -107,6 +107,12 @@ class BlockCounts:
         if len(keys):
             self._apply_one(medium, group, keys, signs)
 
+    def _scratch(self, col: np.ndarray) -> np.ndarray:
+        """The C walks' zeroed flags, one per position of `col` at least."""
+        if len(self._flags) < len(col):
+            self._flags = np.zeros(max(len(col), 2 * len(self._flags)), np.uint8)
+        return self._flags
+
     def _apply_one(self, medium: int, group: int, keys: np.ndarray, signs: np.ndarray) -> None:
         t = self._counts(medium, group)
         accel = compiled.accel
@@ -118,9 +124,7 @@ class BlockCounts:
             and signs.flags.c_contiguous
         ):  # the common case (the flush's C read): find, walk and bits in one call
             col = t.cols[_col(group)]
-            if len(self._flags) < len(col):
-                self._flags = np.zeros(max(len(col), 2 * len(self._flags)), np.uint8)
-            held = self.keys.fold_counts(medium, keys, signs, col, self._flags, 1 << group)
+            held = self.keys.fold_counts(medium, keys, signs, col, self._scratch(col), 1 << group)
             if held is not None:
                 self._held += held
                 return
@@ -128,11 +132,9 @@ class BlockCounts:
         pos = t.find(keys, True)
         col = t.cols[_col(group)]  # after find: an insert may have grown the columns
         if accel is not None:  # the walk below in one C pass, in arrival order
-            if len(self._flags) < len(col):
-                self._flags = np.zeros(max(len(col), 2 * len(self._flags)), np.uint8)
             out = np.empty((3, len(pos)), np.int64)  # fresh: the key state may keep them
             d = np.ascontiguousarray(signs, np.int64)  # zmq_count takes C order only
-            nf, held = accel.zmq_count(pos, d, col, self._flags, out, 1 << group)
+            nf, held = accel.zmq_count(pos, d, col, self._scratch(col), out, 1 << group)
             self._held += held
             if nf:
                 self.keys.apply_bits_at(medium, out[0, :nf], out[1, :nf], out[2, :nf])
