@@ -179,7 +179,8 @@ class _Tier:
         return out
 
     def mark_dirty(self, pos: np.ndarray, front: bool = False) -> None:
-        """Queue the positions not queued yet: last in line, or first (`front`, for retries)."""
+        """Queue the positions not queued yet: last in line, or first (`front`, for retries).
+        The positions are distinct (a repeat would be queued twice: every caller's are)."""
         pos = pos[~self.queued[pos]]
         if len(pos):
             self.queued[pos] = True
@@ -778,6 +779,10 @@ class KeyState:
 
     def requeue_front(self, keys: np.ndarray, medium: int = 0) -> None:
         t = self._tier(medium)
+        keys = np.asarray(keys, np.int64)
+        if len(keys) > 1:  # each key once, first seen first: mark_dirty takes distinct positions
+            _, first = np.unique(keys, return_index=True)
+            keys = keys[np.sort(first)]
         t.mark_dirty(t.find(keys, insert=True), front=True)
 
     def commit_snapshot(self, sent: np.ndarray, mediums: np.ndarray | None = None) -> None:
