@@ -33,7 +33,7 @@ from sidecar.publisher import Publisher, State
 from sidecar.shm_ring import layout as L
 from sidecar.shm_ring.reader import ReaderConflict, RingReader
 from sidecar.shm_ring.segment import Segment
-from sidecar.source.base import WINDOW_EARLY_S, FlushPolicy, Source, next_tick
+from sidecar.source.base import FlushPolicy, Source, next_tick
 from sidecar.source.ring import RingSource
 
 log = logging.getLogger(__name__)
@@ -249,10 +249,10 @@ class Daemon:
                 # dirty (not from when the last request ended); at low rates the window
                 # stretches (FlushPolicy). Every source read that changed keys sets `work`.
                 now = self.clock()
-                wait = policy.due(p.keys) - now
-                if wait <= WINDOW_EARLY_S:  # a source's coalesced read just before the end
+                if policy.ends_now(p.keys, now):  # a source's coalesced read just before the end
                     policy.sending(p.keys, now)
                     break
+                wait = policy.due(p.keys) - now
                 self.work.clear()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(wait):

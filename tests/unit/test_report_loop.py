@@ -18,7 +18,7 @@ import pytest
 from sidecar import config as C
 from sidecar.daemon import Daemon
 from sidecar.publisher import State
-from sidecar.source.base import WINDOW_EARLY_S, FlushPolicy, next_tick
+from sidecar.source.base import SEND_AHEAD_S, WINDOW_EARLY_S, FlushPolicy, next_tick
 
 ENV = {
     "KV_CACHE_EVENT_MANAGER_ENDPOINT": "http://127.0.0.1:9",
@@ -223,6 +223,41 @@ def test_flush_policy_a_batch_due_at_this_read_starts_the_next_window_now() -> N
     fast.window_s = 0.025
     now = 5.025 - WINDOW_EARLY_S  # 400 keys in 23 ms: 512 would take 29.44 ms
     assert pol.read_at(fast, now) == pytest.approx(now + 0.02944 - WINDOW_EARLY_S)
+
+
+def test_flush_policy_a_read_a_hair_early_still_ends_the_window() -> None:
+    # The event loop's timer wakes the source's read ahead a little before it was asked for:
+    # the read and the report loop (a moment later) must both take the window as ended, or
+    # the read is repeated 2 ms later, the send has its own wake-up, and the next windows
+    # fall out of step with the reads (bench.pace counted ~9 extra wake-ups a second).
+    pol = _policy(**{"report.flush_min_keys": "512"})
+    keys = _waiting(100, 5.0)
+    read = pol.read_at(keys, 5.001)
+    early = read - 0.00005
+    assert pol.ends_now(keys, early)
+    assert pol.ends_now(keys, early + 0.0005)  # the report loop, woken by that read
+    assert pol.read_at(keys, early) == pytest.approx(early + 0.04 - WINDOW_EARLY_S)
+    # further ahead than SEND_AHEAD_S: not yet, and the source reads again just before
+    ahead = 5.04 - SEND_AHEAD_S - 0.0005
+    assert not pol.ends_now(keys, ahead)
+    assert pol.read_at(keys, ahead) == pytest.approx(5.04 - WINDOW_EARLY_S)
+
+
+async def test_report_loop_sends_at_a_read_a_hair_before_the_read_ahead_point(
+    stretching_loop: tuple[Daemon, Sender, Clock],
+) -> None:
+    d, p, clock = stretching_loop
+    _dirty(d, p, clock, 1, 2, 3, 4)
+    await _settle()
+    clock.t += 10 - WINDOW_EARLY_S - 0.0001  # the source's read, its timer a little early
+    d.work.set()
+    assert await asyncio.wait_for(p.sent.get(), 10) == [1, 2, 3, 4]
+    _dirty(d, p, clock, 5, 6, 7, 8)
+    await _settle()
+    clock.t += 10 - SEND_AHEAD_S - 0.001  # well before: the window goes on
+    d.work.set()
+    await _settle()
+    assert p.sent.empty()
 
 
 def test_next_tick_lands_loops_of_dividing_intervals_on_one_instant() -> None:
