@@ -35,6 +35,7 @@ from sidecar.shm_ring.reader import ReaderConflict, RingReader
 from sidecar.shm_ring.segment import Segment
 from sidecar.source.base import FlushPolicy, Source, next_tick
 from sidecar.source.ring import RingSource
+from sidecar.wakeups import RIDE_EARLY_S, Rides, Work
 
 log = logging.getLogger(__name__)
 Sleep = Callable[[float], Awaitable[None]]
@@ -46,21 +47,6 @@ class IdentityBusy(Exception):
 
 class _Stop(Exception):
     """Raised inside the TaskGroup to end it when the stop event is set."""
-
-
-class Work(asyncio.Event):
-    """The report loop's signal (a source read changed keys, the engine watch, a leader
-    change); each set also calls `also` (the client's poke: a held answer is read while the
-    loop is awake anyway, kvcm_client/transport.py Hold)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.also: Callable[[], None] | None = None
-
-    def set(self) -> None:
-        super().set()
-        if self.also is not None:
-            self.also()
 
 
 def ring_name(cfg: Config) -> str:
@@ -99,7 +85,11 @@ class Daemon:
         self.stop = stop
         self.sleep = sleep
         self.clock = clock
-        self.work = Work()
+        # Periodic work rides the source's wake-ups (sidecar/wakeups.py): late by at most
+        # one flush window (it may be late by this much when the engine is silent).
+        r = cfg.report
+        self.rides = Rides(min(max(r.flush_window_max_s, r.flush_window_s) + 0.01, 0.1), clock)
+        self.work = Work(self.rides)
         self.metrics = Metrics()
         self.publisher: Publisher | None = None
         self.discovery: Discovery | None = None
@@ -213,6 +203,7 @@ class Daemon:
             self.publisher, self.discovery = p, disc
             self.metrics.attach(p)
             self.metrics.attach_discovery(disc)
+            self.metrics.attach_rides(self.rides)
             runner = await self._start_http()
             try:
                 try:
@@ -265,14 +256,16 @@ class Daemon:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait):
                     await self.work.wait()
+            self.work.awake()  # the 1 s tick's wake-up: the heartbeat and watch ride it
 
     async def _heartbeat_loop(self, p: Publisher) -> None:
         # On the shared tick (next_tick): an idle sidecar's heartbeat, engine watch and polls
         # share their wake-ups. A heartbeat slower than the interval skips to the next tick.
         interval = self.cfg.report.heartbeat_interval_s
+        rides = self.rides
         while True:
             await p.heartbeat_step()
-            await self.sleep(next_tick(self.clock(), interval))
+            await rides.sleep(next_tick(rides.now(), interval) + RIDE_EARLY_S)
 
     async def _watch_loop(self, p: Publisher) -> None:
         # The source says when its next check is worth a wake-up (every watch interval while
@@ -286,12 +279,14 @@ class Daemon:
             self.watch_checks += 1
             if p.host_down_pending or was_down != p.engine_down:
                 self.work.set()
-            wait = p.source.watch_wait_s(p.engine_down)
+            wait = p.source.watch_wait_s(p.engine_down, self.rides.now()) + RIDE_EARLY_S
             if wake.is_set():
                 continue
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait):
-                    await wake.wait()
+            ride = self.rides.at(wait, wake.set)  # on a source's wake-up when it can
+            try:
+                await wake.wait()
+            finally:
+                self.rides.cancel(ride)
 
     async def _trim_loop(self) -> None:
         while True:

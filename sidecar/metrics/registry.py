@@ -24,6 +24,7 @@ from sidecar.source.key_check import CHECK_SCHEMES
 from sidecar.source.rekey import REASONS
 from sidecar.source.ring import RingSource
 from sidecar.source.zmq import ZmqSource
+from sidecar.wakeups import Rides
 
 # name -> (type, help). Counters are listed without the _total suffix, as Prometheus families.
 METRICS: dict[str, tuple[str, str]] = {
@@ -48,6 +49,11 @@ METRICS: dict[str, tuple[str, str]] = {
     "kvcm_sidecar_held_answers": (
         "counter",
         "Answers left unread until the next wake-up (report.response_hold_s), by operation.",
+    ),
+    "kvcm_sidecar_periodic_runs": (
+        "counter",
+        "Heartbeat and engine-watch runs, by how they woke: shared (a source's wake-up, none of"
+        " their own) or alone (their own timer: the engine was silent).",
     ),
     "kvcm_sidecar_retries": ("counter", "Backed-off retries, by operation."),
     "kvcm_sidecar_circuit_open": ("counter", "Circuit-open events, by reason."),
@@ -217,6 +223,9 @@ class Metrics:
     def attach_discovery(self, discovery: Discovery) -> None:
         self.registry.register(_DiscoveryCollector(discovery))
 
+    def attach_rides(self, rides: Rides) -> None:
+        self.registry.register(_RidesCollector(rides))
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -331,6 +340,15 @@ class _DiscoveryCollector(Collector):
             "outcome",
             {o.value: n for o, n in self.d.outcomes.items()},
         )
+
+
+class _RidesCollector(Collector):
+    def __init__(self, rides: Rides) -> None:
+        self.rides = rides
+
+    def collect(self) -> Iterator[Metric]:
+        r = self.rides
+        yield _by("kvcm_sidecar_periodic_runs", "how", {"shared": r.shared, "alone": r.alone})
 
 
 def _labelled(

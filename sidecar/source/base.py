@@ -1,10 +1,10 @@
 """What the publisher asks of a source: the replica's identity, liveness, sync and counters.
 
-Imports: stdlib, config, key_state. A source feeds (key, medium, group, kind) transitions into
-the one KeyState, keeps it equal to the engine's truth (or, when it cannot, empties it and asks
-for an authoritative snapshot: a forget), and tells the publisher who the engine is and whether
-it lives. FlushPolicy says when the report loop sends, so that a source reads just before.
-The publisher knows nothing else about rings or sockets.
+Imports: stdlib, config, key_state, wakeups. A source feeds (key, medium, group, kind)
+transitions into the one KeyState, keeps it equal to the engine's truth (or, when it cannot,
+empties it and asks for an authoritative snapshot: a forget), and tells the publisher who the
+engine is and whether it lives. FlushPolicy says when the report loop sends, so that a source
+reads just before. The publisher knows nothing else about rings or sockets.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from sidecar.config import ReportConfig
 from sidecar.key_state import KeyState
+from sidecar.wakeups import Work
 
 Sleep = Callable[[float], Awaitable[None]]
 # While changes wait for their flush window, a source reads its engine once, this long before
@@ -203,9 +204,10 @@ class Source(Protocol):
         or `watch_wake` was set)."""
         ...
 
-    def watch_wait_s(self, engine_down: bool) -> float:
+    def watch_wait_s(self, engine_down: bool, now: float | None = None) -> float:
         """How long the engine watch loop may sleep after a check before the next one, on the
-        shared tick (next_tick); `watch_wake` cuts it short."""
+        shared tick (next_tick), from `now` (None: the source's clock); `watch_wake` cuts it
+        short."""
         ...
 
     def take_forget(self) -> bool:
@@ -213,9 +215,10 @@ class Source(Protocol):
         engine: KVCM must get an authoritative snapshot (forget the replica's keys)."""
         ...
 
-    def loops(self, work: asyncio.Event) -> dict[str, Awaitable[None]]:
+    def loops(self, work: Work) -> dict[str, Awaitable[None]]:
         """The source's long-lived loops (named), run in the daemon's TaskGroup: they feed the
-        key state until cancelled and set `work` when it changed."""
+        key state until cancelled, set `work` when it changed, and call `work.awake()` at every
+        turn (periodic work rides those wake-ups: sidecar/wakeups.py)."""
         ...
 
     async def final_drain(self) -> None:

@@ -36,6 +36,7 @@ from sidecar.source.base import (
     next_tick,
 )
 from sidecar.source.engine_sync import EngineSync, Sync
+from sidecar.wakeups import Work
 
 log = logging.getLogger(__name__)
 BELL_IDLE_POLLS = 4  # each idle wake-up of the event loop costs ~0.2-0.5 ms of CPU on a VM
@@ -188,7 +189,7 @@ class RingSource:
             return WatchResult(Watch.DOWN, why, inc.boot_id)
         return WatchResult()
 
-    def watch_wait_s(self, engine_down: bool) -> float:
+    def watch_wait_s(self, engine_down: bool, now: float | None = None) -> float:
         """Until the next engine watch check, on the shared tick (next_tick). Every
         `engine.watch_interval_s` while a check can find death: the engine is down, a check
         was bad, none attached, or its pid cannot be watched. Otherwise the pid's exit wakes
@@ -196,7 +197,7 @@ class RingSource:
         stale is checked, and a clean close is seen within `engine.watch_interval_s x
         engine.dead_after_checks` (the bound for a death seen from the pid)."""
         interval = self.cfg.engine.watch_interval_s
-        now = self.clock()
+        now = self.clock() if now is None else now
         if engine_down or self.stale_checks or not self._relaxed:
             return next_tick(now, interval)
         stale_in = max(self._stale_in_s, 0.0)
@@ -249,10 +250,10 @@ class RingSource:
         }
 
     # ---- the drain loop --------------------------------------------------------------------
-    def loops(self, work: asyncio.Event) -> dict[str, Awaitable[None]]:
+    def loops(self, work: Work) -> dict[str, Awaitable[None]]:
         return {"drain": self.run(work)}
 
-    async def run(self, work: asyncio.Event) -> None:
+    async def run(self, work: Work) -> None:
         # Idle polls cost two 8-byte loads; a full step (which also notices a new engine
         # incarnation that has not written yet) runs at the first poll after each engine watch
         # interval. The poll period doubles while the ring stays empty, up to
@@ -279,7 +280,7 @@ class RingSource:
             if bell is not None:
                 bell.close()
 
-    async def _drain(self, bell: Listener | None, wake: asyncio.Event, work: asyncio.Event) -> None:
+    async def _drain(self, bell: Listener | None, wake: asyncio.Event, work: Work) -> None:
         sync = self.sync
         busy = self.cfg.ring.poll_interval_s
         idle = max(self.cfg.ring.idle_poll_interval_s, busy)
@@ -294,6 +295,7 @@ class RingSource:
         rung_seen = 0  # bell.rung when last looked
         bell_boot = 0  # the engine incarnation that has rung the doorbell (0: none yet)
         while True:
+            work.awake()  # the heartbeat and the engine watch, when due, ride this wake-up
             now = self.clock()
             full = now - last_full >= full_every
             if full:

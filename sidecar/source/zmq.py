@@ -41,6 +41,7 @@ from sidecar.source.zmq_events import (
     Segment,
     to_blocks,
 )
+from sidecar.wakeups import Work
 
 log = logging.getLogger(__name__)
 
@@ -927,10 +928,10 @@ class ZmqSource:
             return WatchResult(Watch.BACK, "healthy again", self.stream.incarnation)
         return WatchResult()
 
-    def watch_wait_s(self, engine_down: bool) -> float:
+    def watch_wait_s(self, engine_down: bool, now: float | None = None) -> float:
         """The verdict changes only with a health probe, which sets `watch_wake`: without a
         health URL never (silence is not death). The fallback is a safety net."""
-        return next_tick(self.clock(), WATCH_FALLBACK_S)
+        return next_tick(self.clock() if now is None else now, WATCH_FALLBACK_S)
 
     def _kick(self) -> None:
         """End the feed loop's idle poll now (it re-reads what it must send)."""
@@ -978,7 +979,7 @@ class ZmqSource:
         }
 
     # ---- loops -------------------------------------------------------------------------------
-    def loops(self, work: asyncio.Event) -> dict[str, Awaitable[None]]:
+    def loops(self, work: Work) -> dict[str, Awaitable[None]]:
         out: dict[str, Awaitable[None]] = {"zmq-feed": self.run(work)}
         if self.z.health_url:
             out["zmq-health"] = self.health_loop()
@@ -1086,7 +1087,7 @@ class ZmqSource:
         d.connect(connectable(self.z.replay_endpoint))
         return d
 
-    async def run(self, work: asyncio.Event) -> None:
+    async def run(self, work: Work) -> None:
         self._ctx = zmq.asyncio.Context()
         c = self._load_checkpoint()
         self.stream.start(c, loaded=c is not None)
@@ -1108,7 +1109,7 @@ class ZmqSource:
         sub: zmq.asyncio.Socket,
         sync_sub: zmq.Socket[bytes],
         dealer: zmq.asyncio.Socket | None,
-        work: asyncio.Event,
+        work: Work,
     ) -> None:
         s = self.stream
         poller = zmq.asyncio.Poller()
@@ -1125,6 +1126,7 @@ class ZmqSource:
         rewatch: Callable[[], None] | None = None  # watches the SUB's descriptor again
         blocks_before = 0
         while True:
+            work.awake()  # the heartbeat, when due, rides this wake-up
             s.tick()
             if s.want_replay is not None and dealer is not None:
                 start, s.want_replay = s.want_replay, None

@@ -28,6 +28,7 @@ from sidecar.shm_ring.writer import RingWriter
 from sidecar.source.base import WatchResult
 from sidecar.source.ring import RingSource
 from sidecar.source.zmq import WATCH_FALLBACK_S, ZmqSource
+from sidecar.wakeups import Work
 
 ROOT = Path(__file__).resolve().parents[2]
 META = L.pack_meta(L.KIND_STORED)
@@ -157,7 +158,7 @@ class _Src:
         self.checked: asyncio.Queue[int] = asyncio.Queue()
         self.n = 0
 
-    def watch_wait_s(self, engine_down: bool) -> float:
+    def watch_wait_s(self, engine_down: bool, now: float | None = None) -> float:
         return 3600.0
 
 
@@ -306,7 +307,7 @@ async def test_ring_drain_of_a_silent_engine_is_woken_by_the_proven_doorbell(
         await asyncio.sleep(0)
 
     src = RingSource(C.load(env=env), reader, keys, sleep=no_time, clock=Clock())
-    work = asyncio.Event()
+    work = Work()
     task = asyncio.create_task(src.run(work))
     try:
         await _until(lambda: src.sync.status.value == "waiting_snapshot")

@@ -430,7 +430,7 @@ async def test_client_held_post_reports_the_hold_apart_from_latency() -> None:
 
 
 async def test_daemon_work_signal_pokes_a_held_answer() -> None:
-    from sidecar.daemon import Work
+    from sidecar.wakeups import Work
 
     w, calls = Work(), []
     w.set()  # nothing attached yet

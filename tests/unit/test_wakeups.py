@@ -1,0 +1,179 @@
+"""Periodic work rides the source's wake-ups (sidecar/wakeups.py): the heartbeat and the engine
+watch run at the first wake-up of the loop from their due time on, or `late_s` after it on their
+own timer when none comes, and a ride that ended a hair early is not due again at once.
+
+The clock is injected (due times); the own-timer fallback is the only real wait, and the tests
+that do not exercise it make it an hour long, so only a poke can end a ride while they run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sidecar import config as C
+from sidecar.daemon import Daemon
+from sidecar.wakeups import RIDE_EARLY_S, Rides, Work
+
+ENV = {
+    "KV_CACHE_EVENT_MANAGER_ENDPOINT": "http://127.0.0.1:9",
+    "KV_CACHE_EVENT_INSTANCE_ID": "i",
+    "KV_CACHE_EVENT_HOST_IP_PORT": "h:1",
+}
+
+
+class Clock:
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def _settle() -> None:
+    """Let the loop run until it blocks again (yields only: no time passes)."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def test_a_ride_ends_at_the_first_poke_from_its_due_time_on() -> None:
+    clock = Clock()
+    rides = Rides(3600.0, clock)
+    ran: list[float] = []
+    rides.at(1.0, lambda: ran.append(clock()))
+    rides.poke()
+    clock.t = 100.5
+    rides.poke()
+    assert ran == []  # not due: the poke leaves it
+    clock.t = 101.0 - RIDE_EARLY_S / 2  # a source's timer a hair early
+    rides.poke()
+    clock.t = 101.2
+    rides.poke()
+    assert ran == [101.0 - RIDE_EARLY_S / 2]  # once
+    assert (rides.shared, rides.alone) == (1, 0)
+
+
+async def test_a_ride_that_no_poke_ends_runs_late_s_after_it_is_due() -> None:
+    rides = Rides(0.02)
+    done = asyncio.Event()
+    rides.at(0.01, done.set)
+    async with asyncio.timeout(10):
+        await done.wait()
+    assert (rides.shared, rides.alone) == (0, 1)
+
+
+async def test_a_cancelled_ride_never_runs() -> None:
+    clock = Clock()
+    rides = Rides(0.0, clock)
+    ran: list[int] = []
+    r = rides.at(0.0, lambda: ran.append(1))
+    rides.cancel(r)
+    clock.t += 1
+    rides.poke()
+    await asyncio.sleep(0.01)  # past its own timer (late_s 0): cancelled too
+    assert ran == [] and (rides.shared, rides.alone) == (0, 0)
+
+
+class _Beat:
+    """What the heartbeat loop asks of the publisher: one heartbeat per step, counted."""
+
+    def __init__(self) -> None:
+        self.beats: asyncio.Queue[float] = asyncio.Queue()
+        self.clock: Clock | None = None
+
+    async def heartbeat_step(self) -> None:
+        assert self.clock is not None
+        self.beats.put_nowait(self.clock())
+
+
+async def test_heartbeat_rides_a_source_wake_up_and_is_not_due_again_at_once() -> None:
+    clock = Clock(100.0)
+    d = Daemon(C.load(env=ENV), asyncio.Event(), clock=clock)
+    d.rides.late_s = 3600.0  # only pokes end its waits here
+    p = _Beat()
+    p.clock = clock
+    task = asyncio.create_task(d._heartbeat_loop(p))  # type: ignore[arg-type]
+    try:
+        async with asyncio.timeout(10):
+            assert await p.beats.get() == 100.0  # at once
+        clock.t = 100.5
+        d.work.awake()  # a window's read, not due yet (the tick at 101)
+        await _settle()
+        assert p.beats.empty()
+        clock.t = 101.0 - RIDE_EARLY_S / 2  # the source's poll on that tick, a hair early
+        d.work.awake()
+        async with asyncio.timeout(10):
+            assert await p.beats.get() == clock.t
+        clock.t = 101.03  # the next window: this tick was served, the next is 102
+        d.work.awake()
+        await _settle()
+        assert p.beats.empty()
+        clock.t = 102.04  # busy: the first window after the tick carries it
+        d.work.awake()
+        async with asyncio.timeout(10):
+            assert await p.beats.get() == 102.04
+        assert d.rides.shared == 2 and d.rides.alone == 0
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+class _Src:
+    def __init__(self, clock: Clock) -> None:
+        self.watch_wake = asyncio.Event()
+        self.clock = clock
+        self.asked: list[float | None] = []
+
+    def watch_wait_s(self, engine_down: bool, now: float | None = None) -> float:
+        self.asked.append(now)
+        t = self.clock() if now is None else now
+        return 0.5 - (t % 0.5)  # next_tick(t, 0.5)
+
+
+class _Watched:
+    def __init__(self, src: _Src) -> None:
+        self.source = src
+        self.engine_down = False
+        self.host_down_pending = False
+        self.checks: asyncio.Queue[float] = asyncio.Queue()
+
+    def watch_step(self) -> None:
+        self.checks.put_nowait(self.source.clock())
+
+
+async def test_engine_watch_rides_a_source_wake_up_and_its_wake_still_cuts_it_short() -> None:
+    clock = Clock(100.0)
+    d = Daemon(C.load(env=ENV), asyncio.Event(), clock=clock)
+    d.rides.late_s = 3600.0
+    src = _Src(clock)
+    p = _Watched(src)
+    task = asyncio.create_task(d._watch_loop(p))  # type: ignore[arg-type]
+    try:
+        async with asyncio.timeout(10):
+            assert await p.checks.get() == 100.0
+        assert src.asked == [100.0 + RIDE_EARLY_S]  # scheduled from RIDE_EARLY_S ahead
+        clock.t = 100.2
+        d.work.awake()
+        await _settle()
+        assert p.checks.empty()
+        clock.t = 100.5 - RIDE_EARLY_S / 2
+        d.work.awake()
+        async with asyncio.timeout(10):
+            assert await p.checks.get() == clock.t
+        clock.t = 100.51  # that tick was served: the next check is at 101
+        d.work.awake()
+        await _settle()
+        assert p.checks.empty()
+        src.watch_wake.set()  # the engine exited: checked at once, ride or not
+        async with asyncio.timeout(10):
+            assert await p.checks.get() == 100.51
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+def test_work_without_rides_is_awake_for_nothing() -> None:
+    Work().awake()  # a source driven alone (tests, tools): no periodic work to run
