@@ -261,17 +261,27 @@ class Daemon:
     async def _heartbeat_loop(self, p: Publisher) -> None:
         # On the shared tick (next_tick): an idle sidecar's heartbeat, engine watch and polls
         # share their wake-ups. A heartbeat slower than the interval skips to the next tick.
+        # The next tick is planned from the tick a beat was for, not from when it ended: a
+        # beat that rode in late (Rides) or took most of the interval still has the next tick.
         interval = self.cfg.report.heartbeat_interval_s
         rides = self.rides
+        late = rides.late_for(interval)
+        tick: float | None = None  # the tick the beat in progress was for (None: the first)
         while True:
             await p.heartbeat_step()
-            await rides.sleep(next_tick(rides.now(), interval) + RIDE_EARLY_S)
+            now = rides.clock()
+            if tick is None or tick + interval <= now:
+                tick = now + next_tick(now, interval)
+            else:
+                tick += interval
+            await rides.sleep(tick - now, late)
 
     async def _watch_loop(self, p: Publisher) -> None:
         # The source says when its next check is worth a wake-up (every watch interval while
         # a check can find death by polling; less often when the engine's exit or a health
         # probe wakes the loop through `watch_wake`), on the shared tick.
         wake = p.source.watch_wake
+        late = self.rides.late_for(self.cfg.engine.watch_interval_s)
         while True:
             wake.clear()
             was_down = p.engine_down
@@ -282,7 +292,7 @@ class Daemon:
             wait = p.source.watch_wait_s(p.engine_down, self.rides.now()) + RIDE_EARLY_S
             if wake.is_set():
                 continue
-            ride = self.rides.at(wait, wake.set)  # on a source's wake-up when it can
+            ride = self.rides.at(wait, wake.set, late)  # on a source's wake-up when it can
             try:
                 await wake.wait()
             finally:

@@ -33,16 +33,21 @@ class Ride:
 
 class Rides:
     """Periodic waits that end at the first wake-up of the loop from their due time on (a
-    source's loop calls `poke` at every turn), or `late_s` after it when none comes.
+    source's loop calls `Work.awake`, which pokes, at every turn), or `late_s` after it when
+    none comes.
 
     With `late_s` above the longest flush window, a busy sidecar's heartbeat and engine watch
     take no wake-up of their own; an idle one's end on their own timers (the periodic loops
     share the tick, next_tick, and the source's idle poll, which pokes, is on it too). A ride
     may end up to RIDE_EARLY_S before it is due: callers schedule from `now()`, that much
-    ahead, so a ride that ended early is not due again at once."""
+    ahead, or from the tick the ride was for, so a ride that ended early is not due again at
+    once. A periodic job's lateness is also bounded by `share` of its period (`late_for`):
+    with a period shorter than a window, a ride ended by its own timer late_s after the tick
+    would be past the next tick, and every other tick would be lost."""
 
     def __init__(self, late_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.late_s = late_s
+        self.share = 0.25
         self.clock = clock
         self._rides: set[Ride] = set()
         self.shared = 0  # rides ended by a poke (no wake-up of their own)
@@ -52,10 +57,16 @@ class Rides:
         """The time to schedule the next ride from (RIDE_EARLY_S ahead: see the class)."""
         return self.clock() + RIDE_EARLY_S
 
-    def at(self, delay: float, fn: Callable[[], None]) -> Ride:
-        """Run `fn` at the first poke `delay` from now on, or `late_s` later on its own."""
+    def late_for(self, period: float) -> float:
+        """How late a ride of a job run every `period` may end: late_s, or `share` of it."""
+        return min(self.late_s, period * self.share)
+
+    def at(self, delay: float, fn: Callable[[], None], late_s: float | None = None) -> Ride:
+        """Run `fn` at the first poke `delay` from now on, or `late_s` (default: the Rides')
+        later on its own."""
         r = Ride(self.clock() + delay, fn)
-        r.timer = asyncio.get_running_loop().call_later(delay + self.late_s, self._end, r, False)
+        late = self.late_s if late_s is None else late_s
+        r.timer = asyncio.get_running_loop().call_later(max(delay, 0.0) + late, self._end, r, False)
         self._rides.add(r)
         return r
 
@@ -82,10 +93,10 @@ class Rides:
             self.alone += 1
         r.fn()
 
-    async def sleep(self, delay: float) -> None:
+    async def sleep(self, delay: float, late_s: float | None = None) -> None:
         """Sleep as a ride: at least `delay` (less RIDE_EARLY_S), at most `delay + late_s`."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        r = self.at(delay, lambda: _wake(fut))
+        r = self.at(delay, lambda: _wake(fut), late_s)
         try:
             await fut
         finally:

@@ -195,7 +195,8 @@ class RingSource:
         was bad, none attached, or its pid cannot be watched. Otherwise the pid's exit wakes
         the loop at once (`watch_wake`), the first tick after the liveness stamp could turn
         stale is checked, and a clean close is seen within `engine.watch_interval_s x
-        engine.dead_after_checks` (the bound for a death seen from the pid)."""
+        engine.dead_after_checks` (the bound for a death seen from the pid), plus how late
+        the check may ride (Rides.late_for: a flush window, or a quarter interval)."""
         interval = self.cfg.engine.watch_interval_s
         now = self.clock() if now is None else now
         if engine_down or self.stale_checks or not self._relaxed:

@@ -9,6 +9,7 @@ that do not exercise it make it an hour long, so only a poke can end a ride whil
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
@@ -90,7 +91,7 @@ class _Beat:
 async def test_heartbeat_rides_a_source_wake_up_and_is_not_due_again_at_once() -> None:
     clock = Clock(100.0)
     d = Daemon(C.load(env=ENV), asyncio.Event(), clock=clock)
-    d.rides.late_s = 3600.0  # only pokes end its waits here
+    d.rides.late_s = d.rides.share = 3600.0  # only pokes end its waits here
     p = _Beat()
     p.clock = clock
     task = asyncio.create_task(d._heartbeat_loop(p))  # type: ignore[arg-type]
@@ -120,8 +121,89 @@ async def test_heartbeat_rides_a_source_wake_up_and_is_not_due_again_at_once() -
             await task
 
 
+class _SlowBeat(_Beat):
+    """A heartbeat that takes `took` seconds of the clock (a slow manager)."""
+
+    def __init__(self, clock: Clock, took: float) -> None:
+        super().__init__()
+        self.clock, self.took = clock, took
+
+    async def heartbeat_step(self) -> None:
+        assert self.clock is not None
+        self.beats.put_nowait(self.clock())
+        self.clock.t += self.took
+
+
+async def test_a_heartbeat_that_took_most_of_its_interval_keeps_the_next_tick() -> None:
+    # Planned from its tick, not from when it ended (review of 77b0b69: a beat that rode in
+    # late and then took the rest of the interval, or ended within RIDE_EARLY_S of the next
+    # tick, skipped it: beats 2 s apart at a 1 s interval).
+    clock = Clock(100.0)
+    d = Daemon(C.load(env=ENV), asyncio.Event(), clock=clock)
+    d.rides.late_s = d.rides.share = 3600.0
+    p = _SlowBeat(clock, 0.0)
+    task = asyncio.create_task(d._heartbeat_loop(p))  # type: ignore[arg-type]
+    try:
+        async with asyncio.timeout(10):
+            assert await p.beats.get() == 100.0
+        p.took = 1.0 - 0.04 - RIDE_EARLY_S / 2  # rode in 40 ms late, ends a hair before 102
+        clock.t = 101.04
+        d.work.awake()
+        async with asyncio.timeout(10):
+            assert await p.beats.get() == 101.04
+        await _settle()
+        assert clock.t < 102.0
+        clock.t = 102.0
+        p.took = 1.5  # this one is slower than the interval: 103 passes, the next is 104
+        d.work.awake()  # the tick at 102 is still this beat's to take
+        async with asyncio.timeout(10):
+            assert await p.beats.get() == 102.0
+        await _settle()
+        assert clock.t == 103.5
+        clock.t = 103.9
+        d.work.awake()
+        await _settle()
+        assert p.beats.empty()
+        clock.t = 104.0
+        d.work.awake()
+        async with asyncio.timeout(10):
+            assert await p.beats.get() == 104.0
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+def test_a_short_period_bounds_how_late_its_ride_may_end() -> None:
+    rides = Rides(0.055)
+    assert rides.late_for(1.0) == 0.055  # a window late at most
+    assert rides.late_for(0.05) == 0.05 * rides.share  # not past the next tick
+
+
+async def test_engine_watch_with_a_short_interval_falls_back_within_its_share() -> None:
+    # A silent engine pokes nothing: each check ends on its own timer; with watch_interval_s
+    # under late_s that once came after the next tick, and every other check was lost.
+    env = {**ENV, "KV_CACHE_EVENT_ENGINE_WATCH_INTERVAL_S": "0.05"}
+    d = Daemon(C.load(env=env), asyncio.Event())
+    assert d.rides.late_s > 0.05
+    p = _Watched(_Src(d.clock))
+    task = asyncio.create_task(d._watch_loop(p))  # type: ignore[arg-type]
+    try:
+        async with asyncio.timeout(10):
+            await p.checks.get()
+        (ride,) = d.rides._rides
+        assert ride.timer is not None
+        loop = asyncio.get_running_loop()
+        late = ride.timer.when() - loop.time() - (ride.due - d.clock())
+        assert late <= 0.05 * d.rides.share + 0.001  # the loop clock vs monotonic: 1 ms
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
 class _Src:
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
         self.watch_wake = asyncio.Event()
         self.clock = clock
         self.asked: list[float | None] = []
@@ -146,7 +228,7 @@ class _Watched:
 async def test_engine_watch_rides_a_source_wake_up_and_its_wake_still_cuts_it_short() -> None:
     clock = Clock(100.0)
     d = Daemon(C.load(env=ENV), asyncio.Event(), clock=clock)
-    d.rides.late_s = 3600.0
+    d.rides.late_s = d.rides.share = 3600.0
     src = _Src(clock)
     p = _Watched(src)
     task = asyncio.create_task(d._watch_loop(p))  # type: ignore[arg-type]
