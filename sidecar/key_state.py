@@ -574,6 +574,8 @@ class KeyState:
             self.required = req
             for t in self._tiers:
                 t.recount()
+                # held keys whose verdict flipped: KVCM has them by the old one (or lacks them)
+                t.mark_differing()
 
     def is_published(self, key: int, medium: int = 0) -> bool:
         if medium >= len(self._tiers):

@@ -65,6 +65,31 @@ def test_key_state_sending_dirty_makes_acked_equal_published(
     assert ks.in_sync()
 
 
+@settings(max_examples=200)
+@given(
+    ops=OPS,
+    cut=st.integers(0, 120),
+    req=st.sampled_from([(0,), (1,), (0, 1)]),
+    batch=st.integers(1, 7),
+)
+def test_key_state_new_required_groups_resend_every_key_whose_verdict_flipped(
+    ops: list[tuple[int, int, int]], cut: int, req: tuple[int, ...], batch: int
+) -> None:
+    # A descriptor with other required groups changes which held keys are published: the
+    # keys KVCM has (or lacks) by the old verdict must go out again, not only be recounted.
+    ks = KeyState((0,))
+    cut = min(cut, len(ops))
+    ks.apply(records(ops[:cut]))
+    while ks.dirty:
+        ks.confirm(ks.take_batch(batch))
+    ks.set_required(req)
+    ks.apply(records(ops[cut:], cut + 1))
+    while ks.dirty:
+        ks.confirm(ks.take_batch(batch))
+    assert ks.acked_keys() == set(ks.published_keys().tolist())
+    assert ks.in_sync()
+
+
 def test_key_state_unchanged_key_never_resent() -> None:
     ks = KeyState((0,))
     ks.apply(records([(L.KIND_STORED, 0, 1)]))
