@@ -229,8 +229,17 @@ def one(kind: str, a: argparse.Namespace) -> dict[str, Any]:
         if eng.stdout.readline().strip() != "bound":
             raise SystemExit("the engine did not start")
         rd = subprocess.Popen(
-            [*py, "--reader", kind, "--port", str(port), "--seconds", str(a.seconds + 1.5)]
-            + ["--window-ms", str(a.window_ms)],
+            [
+                *py,
+                "--reader",
+                kind,
+                "--port",
+                str(port),
+                "--seconds",
+                str(a.seconds + 1.5),
+                "--window-ms",
+                str(a.window_ms),
+            ],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             text=True,
