@@ -107,6 +107,7 @@ class Publisher:
         self.last_success: dict[str, float] = {}
         self.heartbeat_ok_at = 0.0
         self.heartbeat_failures = 0
+        self.in_flight = 0  # keys of the delta whose answer is awaited (taken, not confirmed)
         self.counters: Counter[str] = Counter()
         self.leader_changes = 0  # KVCM leader switches (a snapshot in flight across one: redone)
         self.state_changes: Counter[str] = Counter()
@@ -414,6 +415,7 @@ class Publisher:
             )
         # Held (kvcm_client/transport.py Hold): its answer is read at the next window's wake-up,
         # not at a wake-up of its own; never while shutting down (the flush must end).
+        self.in_flight = len(batch)  # neither dirty nor acked until the answer (/status)
         try:
             result = await self._send(
                 "reportEvent",
@@ -427,6 +429,8 @@ class Publisher:
             # the taken keys go back in front, so the shutdown flush sends them again.
             self.keys.confirm(batch, range(len(batch)))
             raise
+        finally:
+            self.in_flight = 0
         if result.ok:
             self._ok(result)
             self.keys.confirm(batch)
@@ -526,6 +530,7 @@ class Publisher:
             "published": self.keys.published_count,
             "acked": len(self.keys.acked),
             "dirty": len(self.keys.dirty),
+            "in_flight": self.in_flight,
             "ring_lag": self.source.lag(),
             "dropped": self.source.dropped_total,
             "last_seq": self.source.last_seq,

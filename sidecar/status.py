@@ -63,6 +63,7 @@ def render(doc: Mapping[str, Any]) -> str:
         "published",
         "acked",
         "dirty",
+        "in_flight",
         "ring_lag",
         "dropped",
         "last_seq",

@@ -141,10 +141,12 @@ async def test_a_delta_cancelled_in_flight_puts_its_keys_back_in_front(ring_name
             task = asyncio.create_task(p.send_deltas())
             await asyncio.wait_for(client.entered.wait(), 10)
             assert len(p.keys.dirty) == 0  # taken: in flight
+            assert p.status()["in_flight"] == 10  # /status accounts for them meanwhile
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
             assert len(p.keys.dirty) == 10 and len(p.keys.acked) == 0
+            assert p.status()["in_flight"] == 0
             again = p.keys.take_batch(100)
             assert sorted(again.keys.tolist()) == keys.tolist()
     finally:
