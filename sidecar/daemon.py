@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import hashlib
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -263,18 +264,21 @@ class Daemon:
         # share their wake-ups. A heartbeat slower than the interval skips to the next tick.
         # The next tick is planned from the tick a beat was for, not from when it ended: a
         # beat that rode in late (Rides) or took most of the interval still has the next tick.
+        # Ticks are counted (k * interval): a sum of intervals would drift off the shared grid.
         interval = self.cfg.report.heartbeat_interval_s
         rides = self.rides
         late = rides.late_for(interval)
-        tick: float | None = None  # the tick the beat in progress was for (None: the first)
+        k: int | None = None  # the beat in progress was for tick k * interval (None: the first)
         while True:
             await p.heartbeat_step()
             now = rides.clock()
-            if tick is None or tick + interval <= now:
-                tick = now + next_tick(now, interval)
-            else:
-                tick += interval
-            await rides.sleep(tick - now, late)
+            if k is not None and 0 < (k + 1) * interval - now <= interval + RIDE_EARLY_S:
+                k += 1
+            else:  # the first beat, one slower than the interval, or a clock set back
+                # the first tick past RIDE_EARLY_S from now: one a ride would take at once
+                # (it may end that much early) would beat twice in a row
+                k = math.floor(rides.now() / interval) + 1
+            await rides.sleep(k * interval - now, late)
 
     async def _watch_loop(self, p: Publisher) -> None:
         # The source says when its next check is worth a wake-up (every watch interval while

@@ -415,7 +415,7 @@ class Publisher:
             )
         # Held (kvcm_client/transport.py Hold): its answer is read at the next window's wake-up,
         # not at a wake-up of its own; never while shutting down (the flush must end).
-        self.in_flight = len(batch)  # neither dirty nor acked until the answer (/status)
+        self.in_flight = len(batch)  # taken from dirty; acked (adds) or not (deletes) at the answer
         try:
             result = await self._send(
                 "reportEvent",

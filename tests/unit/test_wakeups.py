@@ -174,6 +174,32 @@ async def test_a_heartbeat_that_took_most_of_its_interval_keeps_the_next_tick() 
             await task
 
 
+async def test_a_heartbeat_ending_just_before_a_tick_does_not_beat_again_at_once() -> None:
+    # The first beat (or one slower than the interval) ends within RIDE_EARLY_S of a tick: a
+    # ride for that tick would end at the next wake-up, a second beat straight after the first.
+    clock = Clock(100.999)
+    d = Daemon(C.load(env=ENV), asyncio.Event(), clock=clock)
+    d.rides.late_s = d.rides.share = 3600.0
+    p = _SlowBeat(clock, 0.0)
+    task = asyncio.create_task(d._heartbeat_loop(p))  # type: ignore[arg-type]
+    try:
+        async with asyncio.timeout(10):
+            assert await p.beats.get() == 100.999
+        d.work.awake()
+        clock.t = 101.0
+        d.work.awake()
+        await _settle()
+        assert p.beats.empty()  # 101 is taken by the beat just ended
+        clock.t = 102.0
+        d.work.awake()
+        async with asyncio.timeout(10):
+            assert await p.beats.get() == 102.0
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
 def test_a_short_period_bounds_how_late_its_ride_may_end() -> None:
     rides = Rides(0.055)
     assert rides.late_for(1.0) == 0.055  # a window late at most
