@@ -41,6 +41,7 @@ from sidecar.source.zmq_events import (
     Segment,
     to_blocks,
 )
+from sidecar.source.zmtp import ZmtpClosed, ZmtpSub
 from sidecar.wakeups import Work
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,9 @@ END_SEQ = b"\xff" * 8  # the replay end marker's seq (-1)
 MAX_HELD_LIVE = 200_000  # live batches held while a replay runs; beyond: give up, forget
 IDLE_TURN_S = 1.0  # the feed loop's longest poll (a replay the watch asks for cuts it short)
 WATCH_FALLBACK_S = 60.0  # the engine watch's longest sleep (health probes wake it)
+ZMTP_RETRY_S = 0.1  # transport zmtp: connect again after this, doubling to ZMTP_RETRY_MAX_S
+ZMTP_RETRY_MAX_S = 2.0  # (libzmq's reconnect_ivl is 100 ms, never longer)
+ZMTP_LOG_S = 30.0  # a connection problem is logged at most once per reason per this
 DRAIN_BATCHES = 1024  # frames read per loop turn before folding: ~25 ms of work at 1 M blocks/s
 COALESCE_MIN_S = 0.002  # shorter coalesced waits poll instead (a timer's own granularity: 1 ms)
 
@@ -846,6 +850,12 @@ class ZmqSource:
         self._turn: asyncio.Future[Any] | None = None  # the feed loop's idle poll, to cut short
         self.frames_bad: Counter[str] = Counter()
         self.live_frames = 0
+        # transport zmtp (sidecar/source/zmtp.py): the live connection and its history
+        self.zmtp: ZmtpSub | None = None
+        self.zmtp_events: Counter[str] = Counter()  # connected, lost, connect_failed
+        self._zmtp_retry_at = 0.0  # when to connect again (monotonic)
+        self._zmtp_backoff = ZMTP_RETRY_S
+        self._zmtp_logged: dict[str, float] = {}  # reason -> last logged (once per interval)
         self.replayed_frames = 0
         self._ctx: zmq.asyncio.Context | None = None
 
@@ -964,6 +974,8 @@ class ZmqSource:
             "source": self.kind,
             "zmq_endpoint": self.z.endpoint,
             "zmq_bind": self.bind,
+            "zmq_transport": self.z.transport,
+            **({"zmtp": dict(self.zmtp_events)} if self.zmtp is not None else {}),
             "zmq_gaps": s.gaps,
             "zmq_forgets": dict(s.forgets),
             "zmq_replays": dict(s.replays),
@@ -1061,6 +1073,8 @@ class ZmqSource:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 0)  # never drop silently in the sidecar: the engine's HWM
         sub.setsockopt(zmq.SUBSCRIBE, self.z.topic.encode())
+        if self.z.transport == "zmtp":
+            return sub, self._dealer()  # the live stream is the zmtp connection's
         try:
             if self.bind:
                 sub.bind(self.z.endpoint)
@@ -1095,10 +1109,16 @@ class ZmqSource:
             self.stream.changed = True
         sub, dealer = self._sockets()
         sync_sub: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
+        if self.z.transport == "zmtp":
+            # the libzmq SUB stays, never connected: the poller's and the loop's shape are
+            # the same, and only the zmtp connection carries the live stream
+            self.zmtp = ZmtpSub(self.z.endpoint, self.z.topic.encode())
         try:
             await self._feed(sub, sync_sub, dealer, work)
         finally:
             sub.close(0)
+            if self.zmtp is not None:
+                self.zmtp.close()
             if dealer is not None:
                 dealer.close(0)
             self._ctx.destroy(0)
@@ -1113,7 +1133,8 @@ class ZmqSource:
     ) -> None:
         s = self.stream
         poller = zmq.asyncio.Poller()
-        poller.register(sub, zmq.POLLIN)
+        if self.zmtp is None:  # (zmtp: its connection's socket, registered once connected)
+            poller.register(sub, zmq.POLLIN)
         sync_dealer: zmq.Socket[bytes] | None = None
         if dealer is not None:
             poller.register(dealer, zmq.POLLIN)
@@ -1132,8 +1153,16 @@ class ZmqSource:
                 start, s.want_replay = s.want_replay, None
                 await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             read = 0
+            zt = self.zmtp
+            if (
+                zt is not None
+                and zt.sock is None
+                and self.clock() >= self._zmtp_retry_at
+                and await self._zmtp_connect(zt)
+            ):
+                poller.register(zt.sock, zmq.POLLIN)
             if since:  # after a coalesced wait: read what queued meanwhile, no poll
-                read = self._read_live(sync_sub)
+                read = self._read_live(sync_sub) if zt is None else self._read_zmtp(zt, poller)
             else:
                 # At most IDLE_TURN_S asleep, on the shared tick; a replay the watch loop asks
                 # for ends the poll at once (_kick).
@@ -1142,6 +1171,8 @@ class ZmqSource:
                     timeout = min(timeout, s.replay.deadline - self.clock())
                 if (retry_at := s.next_timer()) is not None:
                     timeout = min(timeout, retry_at - self.clock())
+                if zt is not None and zt.sock is None:
+                    timeout = min(timeout, self._zmtp_retry_at - self.clock())
                 if rewatch is not None:  # the SUB's descriptor, unwatched since a wait
                     rewatch()
                     rewatch = None
@@ -1154,7 +1185,11 @@ class ZmqSource:
                     self._turn = None
                 if sync_dealer is not None and dealer in events:
                     self._read_replies(sync_dealer)
-                if sub in events:
+                if zt is not None:
+                    # pyzmq's poller gives a raw socket back as its descriptor
+                    if zt.sock is not None and zt.sock.fileno() in events:
+                        read = self._read_zmtp(zt, poller)
+                elif sub in events:
                     read = self._read_live(sync_sub)
             if s.check_deadline() and dealer is not None:
                 # Replies to the request given up on may still come: a fresh socket drops them.
@@ -1194,7 +1229,7 @@ class ZmqSource:
                     # and until the loop polls again (only the poll needs it: at a steady pace
                     # waits follow waits, and each unwatch / watch costs the event loop a
                     # handle and syscalls).
-                    if rewatch is None:
+                    if rewatch is None and zt is None:  # (zmtp's is watched only in a poll)
                         rewatch = _unwatch(sub)
                     await asyncio.sleep(until - now)
 
@@ -1234,6 +1269,57 @@ class ZmqSource:
             del topic  # the SUB's prefix filter already matched it
             s.on_live(int.from_bytes(seq_b, "big"), payload)
         return DRAIN_BATCHES
+
+    def _read_zmtp(self, conn: ZmtpSub, poller: zmq.asyncio.Poller) -> int:
+        """_read_live's work on the zmtp connection: every complete message it holds (at
+        most ~8 MiB a call); a lost connection is counted, logged and retried."""
+        s = self.stream
+        n_read = 0
+
+        def on_message(frames: list[bytes]) -> None:
+            nonlocal n_read
+            n_read += 1
+            self.live_frames += 1
+            if len(frames) != 3:
+                self._bad_frame("frame_shape", len(frames))
+                return
+            seq_b = frames[1]
+            if len(seq_b) != 8 or seq_b == END_SEQ:
+                self._bad_frame("frame_shape", 3)
+                return
+            s.on_live(int.from_bytes(seq_b, "big"), frames[2])
+
+        sock = conn.sock
+        try:
+            conn.read(on_message)
+        except ZmtpClosed as exc:
+            if sock is not None:
+                poller.unregister(sock)
+            self.zmtp_events["lost"] += 1
+            self._zmtp_backoff = ZMTP_RETRY_S
+            self._zmtp_retry_at = self.clock()  # at once; then backing off if refused
+            self._zmtp_log("lost", f"zmtp connection lost endpoint={self.z.endpoint}: {exc}")
+        return n_read
+
+    async def _zmtp_connect(self, conn: ZmtpSub) -> bool:
+        try:
+            await conn.connect(max(self.cfg.engine.watch_interval_s, 1.0))
+        except (OSError, TimeoutError) as exc:
+            self.zmtp_events["connect_failed"] += 1
+            self._zmtp_retry_at = self.clock() + self._zmtp_backoff
+            self._zmtp_backoff = min(self._zmtp_backoff * 2, ZMTP_RETRY_MAX_S)
+            self._zmtp_log("connect", f"zmtp connect failed endpoint={self.z.endpoint}: {exc!r}")
+            return False
+        self.zmtp_events["connected"] += 1
+        self._zmtp_backoff = ZMTP_RETRY_S
+        log.info("zmtp connected endpoint=%s", self.z.endpoint)
+        return True
+
+    def _zmtp_log(self, reason: str, text: str) -> None:
+        now = self.clock()
+        if now - self._zmtp_logged.get(reason, -ZMTP_LOG_S) >= ZMTP_LOG_S:
+            self._zmtp_logged[reason] = now
+            log.warning("%s", text)
 
     def _read_replies(self, sock: zmq.Socket[bytes]) -> None:
         # At most DRAIN_BATCHES per loop turn, as for live frames: a 10 000-batch replay must

@@ -40,10 +40,11 @@ ZMQ_SETTINGS = {
 
 
 class ZmqHarness:
-    def __init__(self, h: Harness, tmp: Path) -> None:
+    def __init__(self, h: Harness, tmp: Path, transport: str = "libzmq") -> None:
         self.h = h
         self.state_dir = tmp / "state"
         self.pub: PublisherProcess | None = None
+        self.settings = {**ZMQ_SETTINGS, "source.zmq.transport": transport}
 
     def start_engine(self, **cfg: Any) -> PublisherProcess:
         self.pub = PublisherProcess(**cfg)
@@ -54,7 +55,7 @@ class ZmqHarness:
         assert self.pub is not None
         r = self.pub.ready
         extra = {
-            **ZMQ_SETTINGS,
+            **self.settings,
             "source.zmq.endpoint": r["pub"],
             "source.state_dir": str(self.state_dir),
         }
@@ -373,7 +374,7 @@ async def test_zmq_source_sidecar_started_before_its_engine_forgets_nothing(
     pub_ep, rep_ep = (f"tcp://127.0.0.1:{p}" for p in ports)
     z.h.start_sidecar(
         **{
-            **ZMQ_SETTINGS,
+            **z.settings,
             "source.zmq.endpoint": pub_ep,
             "source.zmq.replay_endpoint": rep_ep,
             "source.zmq.replay_timeout_s": "0.3",
@@ -481,3 +482,63 @@ async def test_zmq_source_a_quiet_engine_restart_whose_first_batches_were_lost_i
     await z.converge()  # exactly the new life's five blocks
     st = await z.settle(lambda s: s["state"] == "READY")
     assert _forgets(st).get("engine_restart", 0) >= 1
+
+
+@pytest.fixture
+async def zt(h: Harness, tmp_path: Path) -> AsyncIterator[ZmqHarness]:
+    zh = ZmqHarness(h, tmp_path, transport="zmtp")
+    yield zh
+    zh.close()
+
+
+async def _steady_vllm(z: ZmqHarness) -> None:
+    await test_zmq_source_steady_state_with_duplicates_matches_truth(
+        z, "vllm", "map", "int", ["GPU", "CPU"]
+    )
+
+
+async def _steady_sglang(z: ZmqHarness) -> None:
+    await test_zmq_source_steady_state_with_duplicates_matches_truth(
+        z, "sglang", "positional", "int", ["GPU", "CPU_PINNED", "DISK"]
+    )
+
+
+# source.zmq.transport=zmtp (sidecar/source/zmtp.py): the same outcomes over the sidecar's own
+# ZMTP connection as over libzmq's SUB, for the cases its reading changes (the live stream's
+# frames, gaps, a publisher gone and back, one not there yet).
+ZMTP_CASES = [
+    _steady_vllm,
+    _steady_sglang,
+    test_zmq_source_covered_gap_is_replayed_without_a_forget,
+    test_zmq_source_engine_restart_with_seq_reset_forgets,
+    test_zmq_source_malformed_frames_and_payloads_never_stop_it,
+    test_zmq_source_sidecar_started_before_its_engine_forgets_nothing,
+]
+
+
+@pytest.mark.parametrize("case", ZMTP_CASES, ids=lambda f: f.__name__.removeprefix("test_"))
+async def test_zmtp_transport(zt: ZmqHarness, case: Any) -> None:
+    await case(zt)
+    st = await zt.h.status()
+    assert st["zmq_transport"] == "zmtp" and st["zmtp"]["connected"] >= 1
+
+
+async def test_zmtp_transport_reconnects_to_an_engine_started_again(zt: ZmqHarness) -> None:
+    """The engine's process ends (EOF on the connection) and another binds the same
+    endpoints: the connection is counted lost, made again (backing off while refused), and
+    KVCM ends on the new life's truth."""
+    pub = zt.start_engine()
+    zt.start_sidecar()
+    zt.workload(500)
+    await zt.converge()
+    ep, rep = pub.ready["pub"], pub.ready.get("replay")
+    pub.close()
+    await zt.settle(lambda s: s["zmtp"].get("lost", 0) >= 1)
+    await zt.settle(lambda s: s["zmtp"].get("connect_failed", 0) >= 1)  # refused meanwhile
+    zt.start_engine(endpoint=ep, replay_endpoint=rep, bind=True)
+    assert zt.pub is not None
+    zt.pub.call("wait_subscribers", n=1)
+    zt.workload(500, seed=5)
+    await zt.converge()
+    st = await zt.settle(lambda s: s["zmtp"]["connected"] >= 2 and s["state"] == "READY")
+    assert st["zmtp"]["lost"] >= 1

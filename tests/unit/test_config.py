@@ -189,3 +189,18 @@ def test_config_zmq_public_env_names_are_exact() -> None:
     assert z.zmq.health_url == "http://127.0.0.1:8000/health"
     over = C.load(env=env, overrides={"source.zmq.bind": "true"}).source.zmq
     assert over.bind is True
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "bind"),
+    [("tcp://127.0.0.1:5557", ""), ("tcp://*:5557", "true"), ("inproc://kv", "false")],
+)
+def test_config_zmtp_transport_needs_a_tcp_or_ipc_endpoint_it_connects_to(
+    endpoint: str, bind: str
+) -> None:
+    env = {**GOOD, "KV_CACHE_EVENT_SOURCE": "zmq", "KV_CACHE_EVENT_ZMQ_ENDPOINT": endpoint}
+    env["KV_CACHE_EVENT_ZMQ_BIND"] = bind
+    with pytest.raises(C.ConfigError, match=r"source\.zmq\.transport zmtp"):
+        C.load(env=env, overrides={"source.zmq.transport": "zmtp"})
+    ok = {**env, "KV_CACHE_EVENT_ZMQ_ENDPOINT": "ipc:///tmp/kv.sock", "KV_CACHE_EVENT_ZMQ_BIND": ""}
+    assert C.load(env=ok, overrides={"source.zmq.transport": "zmtp"}).source.zmq.transport == "zmtp"

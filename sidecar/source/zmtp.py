@@ -1,0 +1,202 @@
+"""A SUB peer speaking ZMTP 3.0 on a plain socket: the ZMQ source's live stream without libzmq.
+
+Imports: stdlib only. With libzmq, a thread of its own receives every engine batch as it arrives
+(at engine pace, one wake-up of that thread per batch: ~0.4 % of a core at 5 k events/s,
+bench.zmtp_probe); here the batches wait in the kernel's socket buffer until the source reads
+them, once per flush window, on its own event loop. `source.zmq.transport = zmtp` (connect
+mode only: the engine binds, as vLLM does for tcp://*:P and ipc://).
+
+What it speaks (ZMTP 3.0, NULL mechanism): our greeting (version 3.0, so the publisher takes
+subscriptions as messages), READY with Socket-Type SUB, then one subscription message (0x01 +
+topic). Frames are flags (MORE 0x01, LONG 0x02, COMMAND 0x04) + a 1- or 8-byte size + body;
+commands (the peer's READY, PING) are not message frames; a PING gets its PONG. Any protocol
+error or EOF ends the connection (ZmtpClosed); the caller reconnects, as libzmq would, and the
+seq gap it leaves is the source's to repair (replay), as after a libzmq reconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+_SIGNATURE = b"\xff" + b"\0" * 8 + b"\x7f"
+_GREETING = _SIGNATURE + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" + b"\0" * 31
+_READ = 1 << 18  # bytes per recv_into
+_TURN_BYTES = 8 << 20  # at most this much read per call (the event loop's other work waits)
+MORE, LONG, COMMAND = 0x01, 0x02, 0x04
+
+
+class ZmtpClosed(OSError):
+    """The connection ended: EOF, a reset, or the peer broke the protocol."""
+
+
+def address(endpoint: str) -> tuple[int, str | tuple[str, int]]:
+    """(family, address) of a tcp://host:port or ipc://path endpoint; ValueError otherwise."""
+    if endpoint.startswith("ipc://"):
+        return socket.AF_UNIX, endpoint[len("ipc://") :]
+    u = urlsplit(endpoint.replace("://*:", "://127.0.0.1:"))
+    if u.scheme != "tcp" or not u.hostname or u.port is None:
+        raise ValueError(f"not a tcp://host:port or ipc:// endpoint: {endpoint!r}")
+    family = socket.AF_INET6 if ":" in u.hostname else socket.AF_INET
+    return family, (u.hostname, u.port)
+
+
+def _command(name: bytes, body: bytes = b"") -> bytes:
+    payload = bytes([len(name)]) + name + body
+    return bytes([COMMAND, len(payload)]) + payload  # short: every command this peer sends
+
+
+class ZmtpSub:
+    """One connection to a publisher. `await connect()`, then `read(on_message)` whenever the
+    socket may hold data; `close()`. A message is a list of frames (bytes)."""
+
+    def __init__(self, endpoint: str, topic: bytes) -> None:
+        self.family, self.addr = address(endpoint)
+        self.topic = topic
+        self.sock: socket.socket | None = None
+        self._buf = bytearray()
+        self._rx = bytearray(_READ)
+        self._greeted = False  # the peer's 64-byte greeting was read (connect)
+        self._ready = False  # ... and its READY command
+        self._frames: list[bytes] = []  # the message being read (frames so far)
+
+    def fileno(self) -> int:
+        return self.sock.fileno() if self.sock is not None else -1
+
+    async def connect(self, timeout_s: float) -> None:
+        """Connect and send our greeting, READY and subscription; OSError if it cannot."""
+        self.close()
+        sock = socket.socket(self.family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            if self.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            loop = asyncio.get_running_loop()
+            async with asyncio.timeout(timeout_s):
+                await loop.sock_connect(sock, self.addr)
+                # READY only once the peer's greeting is in: libzmq (4.3) fails the handshake
+                # (an unexpected command) when it comes in the greeting's segment
+                await loop.sock_sendall(sock, _GREETING)
+                greeting = b""
+                while len(greeting) < 64:
+                    chunk = await loop.sock_recv(sock, 64 - len(greeting))
+                    if not chunk:
+                        raise ZmtpClosed("closed by the publisher during the greeting")
+                    greeting += chunk
+            if greeting[0] != 0xFF or greeting[9] != 0x7F or greeting[10] < 3:
+                raise ZmtpClosed("the peer is not a ZMTP 3 publisher")
+            if greeting[12:32].rstrip(b"\0") != b"NULL":
+                raise ZmtpClosed("the peer asks for a security mechanism (only NULL is spoken)")
+            ready = _command(b"READY", _property(b"Socket-Type", b"SUB"))
+            sub = b"\x01" + self.topic
+            hello = ready + _frame_head(0, len(sub)) + sub
+            if sock.send(hello) != len(hello):  # a fresh socket's buffer takes ~100 bytes
+                raise ZmtpClosed("could not send READY and the subscription")
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self._greeted = True
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        self._buf.clear()
+        self._greeted = self._ready = False
+        self._frames = []
+
+    def read(self, on_message: Callable[[list[bytes]], None]) -> int:
+        """Take what the socket holds (without waiting) and hand each complete message to
+        `on_message`; the number of messages. ZmtpClosed when the connection ended (what was
+        complete before it was handed over)."""
+        sock = self.sock
+        if sock is None:
+            raise ZmtpClosed("not connected")
+        buf, rx = self._buf, self._rx
+        got = 0
+        ended: str | None = None
+        while got < _TURN_BYTES:
+            try:
+                n = sock.recv_into(rx)
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                ended = f"recv failed: {exc!r}"
+                break
+            if not n:
+                ended = "closed by the publisher"
+                break
+            buf += memoryview(rx)[:n]
+            got += n
+        try:
+            count = self._parse(on_message)
+        except ZmtpClosed:
+            self.close()
+            raise
+        if ended is not None:
+            self.close()
+            raise ZmtpClosed(ended)
+        return count
+
+    def _parse(self, on_message: Callable[[list[bytes]], None]) -> int:
+        buf = self._buf
+        pos, end, count = 0, len(buf), 0
+        frames = self._frames
+        try:
+            while pos + 2 <= end:
+                flags = buf[pos]
+                if flags & LONG:
+                    if pos + 9 > end:
+                        break
+                    size = int.from_bytes(buf[pos + 1 : pos + 9], "big")
+                    head = 9
+                else:
+                    size, head = buf[pos + 1], 2
+                if pos + head + size > end:
+                    break
+                body = bytes(buf[pos + head : pos + head + size])
+                pos += head + size
+                if flags & COMMAND:
+                    self._on_command(body)
+                    continue
+                if not self._ready:
+                    raise ZmtpClosed("a message before the peer's READY")
+                frames.append(body)
+                if not flags & MORE:
+                    self._frames = []
+                    on_message(frames)
+                    frames = self._frames
+                    count += 1
+        finally:
+            del buf[:pos]
+        return count
+
+    def _on_command(self, body: bytes) -> None:
+        if not body or len(body) < 1 + body[0]:
+            raise ZmtpClosed("a malformed command")
+        name = body[1 : 1 + body[0]]
+        if name == b"READY":
+            self._ready = True
+        elif name == b"ERROR":
+            raise ZmtpClosed(f"the publisher sent ERROR {body[2 + body[0] :][:80]!r}")
+        elif name == b"PING" and self.sock is not None:
+            # PONG carries the PING's context (after its 2-byte TTL)
+            context = body[1 + body[0] + 2 :][:16]
+            pong = _command(b"PONG", context)
+            try:
+                self.sock.send(pong)
+            except OSError as exc:
+                raise ZmtpClosed(f"could not answer a PING: {exc!r}") from None
+
+
+def _property(name: bytes, value: bytes) -> bytes:
+    return bytes([len(name)]) + name + len(value).to_bytes(4, "big") + value
+
+
+def _frame_head(flags: int, size: int) -> bytes:
+    if size > 255:
+        return bytes([flags | LONG]) + size.to_bytes(8, "big")
+    return bytes([flags, size])
