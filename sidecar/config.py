@@ -111,8 +111,9 @@ class ZmqConfig(Frozen, frozen=True, forbid_unknown_fields=True, kw_only=True):
     key_mode: Literal["engine", "rolling", "both"] = "engine"
     # The live stream's receiver: libzmq (pyzmq's SUB: a thread receives each batch as it
     # comes), or zmtp (ZMTP 3.0 read on the sidecar's own loop once per flush window, no
-    # thread: ~0.4 % of a core less at 5 k events/s; connect mode only, tcp:// or ipc://)
-    transport: Literal["libzmq", "zmtp"] = "libzmq"
+    # thread: ~0.3-0.4 % of a core less at 5 k events/s; connect mode only, tcp:// or ipc://);
+    # auto: zmtp where it can (the sidecar connects to tcp:// or ipc://), else libzmq
+    transport: Literal["auto", "libzmq", "zmtp"] = "auto"
     # KVCM's tokens per block in rolling/both (0: block_size): block_size * n or block_size / n
     kvcm_block_size: Annotated[int, Meta(ge=0)] = 0
     key_table_entries: PosInt = 4_194_304  # rolling: (group, engine hash) -> state; bound (~LRU)

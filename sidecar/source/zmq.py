@@ -821,6 +821,10 @@ class ZmqSource:
             clock=clock,
         )
         self.bind = infer_bind(z.endpoint) if z.bind is None else z.bind
+        can_zmtp = not self.bind and z.endpoint.startswith(("tcp://", "ipc://"))
+        self.transport = (
+            "zmtp" if z.transport == "zmtp" or (z.transport == "auto" and can_zmtp) else "libzmq"
+        )
         self.ckpt_path = ckpt.path_for(
             cfg.source.state_dir, cfg.identity.instance_id, cfg.identity.dp_rank, z.endpoint
         )
@@ -974,7 +978,7 @@ class ZmqSource:
             "source": self.kind,
             "zmq_endpoint": self.z.endpoint,
             "zmq_bind": self.bind,
-            "zmq_transport": self.z.transport,
+            "zmq_transport": self.transport,
             **({"zmtp": dict(self.zmtp_events)} if self.zmtp is not None else {}),
             "zmq_gaps": s.gaps,
             "zmq_forgets": dict(s.forgets),
@@ -1073,7 +1077,7 @@ class ZmqSource:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 0)  # never drop silently in the sidecar: the engine's HWM
         sub.setsockopt(zmq.SUBSCRIBE, self.z.topic.encode())
-        if self.z.transport == "zmtp":
+        if self.transport == "zmtp":
             return sub, self._dealer()  # the live stream is the zmtp connection's
         try:
             if self.bind:
@@ -1109,7 +1113,7 @@ class ZmqSource:
             self.stream.changed = True
         sub, dealer = self._sockets()
         sync_sub: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
-        if self.z.transport == "zmtp":
+        if self.transport == "zmtp":
             # the libzmq SUB stays, never connected: the poller's and the loop's shape are
             # the same, and only the zmtp connection carries the live stream
             self.zmtp = ZmtpSub(self.z.endpoint, self.z.topic.encode())

@@ -460,7 +460,10 @@ def test_zmq_stream_unanswered_start_replay_is_no_forget() -> None:
 
 
 def zmq_source(tmp_path: Path, endpoint: str, replay_endpoint: str = "") -> ZmqSource:
-    z = ZmqConfig(endpoint=endpoint, replay_endpoint=replay_endpoint, bind=False)
+    """A source whose libzmq sockets these tests drive themselves (transport libzmq)."""
+    z = ZmqConfig(
+        endpoint=endpoint, replay_endpoint=replay_endpoint, bind=False, transport="libzmq"
+    )
     cfg = Config(
         publisher_type="none",
         identity=IdentityConfig(instance_id="i"),
@@ -1010,3 +1013,26 @@ def test_zmq_stream_a_tail_check_unanswered_while_the_engine_is_down_hides_its_r
     s.on_replayed(0, payload([stored(90)]))
     s.on_replay_end()
     assert published(s) == {90}
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "bind", "transport", "want"),
+    [
+        ("tcp://127.0.0.1:5557", False, "auto", "zmtp"),  # the engine binds, we connect
+        ("ipc:///tmp/kv.sock", None, "auto", "zmtp"),
+        ("tcp://127.0.0.1:5557", True, "auto", "libzmq"),  # we bind: libzmq's SUB
+        ("inproc://kv", False, "auto", "libzmq"),
+        ("tcp://127.0.0.1:5557", False, "libzmq", "libzmq"),
+    ],
+)
+def test_zmq_source_auto_transport_is_zmtp_where_the_sidecar_connects(
+    tmp_path: Path, endpoint: str, bind: bool | None, transport: str, want: str
+) -> None:
+    z = ZmqConfig(endpoint=endpoint, bind=bind, transport=transport)  # type: ignore[arg-type]
+    cfg = Config(
+        publisher_type="none",
+        identity=IdentityConfig(instance_id="i"),
+        source=SourceConfig(kind="zmq", state_dir=str(tmp_path), zmq=z),
+    )
+    src = ZmqSource(cfg, KeyState((0,)))
+    assert src.transport == want and src.status()["zmq_transport"] == want
