@@ -51,7 +51,8 @@ MAX_HELD_LIVE = 200_000  # live batches held while a replay runs; beyond: give u
 IDLE_TURN_S = 1.0  # the feed loop's longest poll (a replay the watch asks for cuts it short)
 WATCH_FALLBACK_S = 60.0  # the engine watch's longest sleep (health probes wake it)
 ZMTP_RETRY_S = 0.1  # transport zmtp: connect again after this, doubling to ZMTP_RETRY_MAX_S
-ZMTP_RETRY_MAX_S = 2.0  # (libzmq's reconnect_ivl is 100 ms, never longer)
+ZMTP_RETRY_MAX_S = 1.0  # (libzmq's reconnect_ivl is 100 ms, never longer)
+ZMTP_CONNECT_S = 0.5  # connect + greeting, awaited in the feed loop
 ZMTP_LOG_S = 30.0  # a connection problem is logged at most once per reason per this
 DRAIN_BATCHES = 1024  # frames read per loop turn before folding: ~25 ms of work at 1 M blocks/s
 COALESCE_MIN_S = 0.002  # shorter coalesced waits poll instead (a timer's own granularity: 1 ms)
@@ -859,6 +860,7 @@ class ZmqSource:
         self.zmtp_events: Counter[str] = Counter()  # connected, lost, connect_failed
         self._zmtp_retry_at = 0.0  # when to connect again (monotonic)
         self._zmtp_backoff = ZMTP_RETRY_S
+        self._zmtp_delivered = False  # the connection in use carried a batch
         self._zmtp_logged: dict[str, float] = {}  # reason -> last logged (once per interval)
         self.replayed_frames = 0
         self._ctx: zmq.asyncio.Context | None = None
@@ -1165,8 +1167,12 @@ class ZmqSource:
                 and await self._zmtp_connect(zt)
             ):
                 poller.register(zt.sock, zmq.POLLIN)
-            if since:  # after a coalesced wait: read what queued meanwhile, no poll
-                read = self._read_live(sync_sub) if zt is None else self._read_zmtp(zt, poller)
+            if zt is not None and zt.sock is not None and (since or zt.backlog):
+                # after a coalesced wait (or a read that stopped at DRAIN_BATCHES with whole
+                # batches in its buffer, which no poll would report): read, no poll
+                read = self._read_zmtp(zt, poller)
+            elif since and zt is None:  # after a coalesced wait: read what queued, no poll
+                read = self._read_live(sync_sub)
             else:
                 # At most IDLE_TURN_S asleep, on the shared tick; a replay the watch loop asks
                 # for ends the poll at once (_kick).
@@ -1187,6 +1193,10 @@ class ZmqSource:
                     events = dict(await turn)
                 finally:
                     self._turn = None
+                if zt is not None:
+                    # pyzmq removes a raw socket's reader in a callback of the turn's end: a
+                    # poll begun before it runs would lose its new reader (a kicked turn)
+                    await asyncio.sleep(0)
                 if sync_dealer is not None and dealer in events:
                     self._read_replies(sync_dealer)
                 if zt is not None:
@@ -1295,27 +1305,34 @@ class ZmqSource:
 
         sock = conn.sock
         try:
-            conn.read(on_message)
+            conn.read(on_message, DRAIN_BATCHES)
         except ZmtpClosed as exc:
             if sock is not None:
                 poller.unregister(sock)
             self.zmtp_events["lost"] += 1
-            self._zmtp_backoff = ZMTP_RETRY_S
-            self._zmtp_retry_at = self.clock()  # at once; then backing off if refused
+            if n_read or self._zmtp_delivered:
+                # a connection that carried batches: connect again at once (backing off if
+                # refused); one that ended before any (a peer that closes at once) backs off
+                self._zmtp_backoff = ZMTP_RETRY_S
+                self._zmtp_retry_at = self.clock()
+            else:
+                self._zmtp_retry_at = self.clock() + self._zmtp_backoff
+                self._zmtp_backoff = min(self._zmtp_backoff * 2, ZMTP_RETRY_MAX_S)
             self._zmtp_log("lost", f"zmtp connection lost endpoint={self.z.endpoint}: {exc}")
+        self._zmtp_delivered = self._zmtp_delivered or n_read > 0
         return n_read
 
     async def _zmtp_connect(self, conn: ZmtpSub) -> bool:
+        self._zmtp_delivered = False
         try:
-            await conn.connect(max(self.cfg.engine.watch_interval_s, 1.0))
+            await conn.connect(ZMTP_CONNECT_S)
         except (OSError, TimeoutError) as exc:
             self.zmtp_events["connect_failed"] += 1
             self._zmtp_retry_at = self.clock() + self._zmtp_backoff
             self._zmtp_backoff = min(self._zmtp_backoff * 2, ZMTP_RETRY_MAX_S)
             self._zmtp_log("connect", f"zmtp connect failed endpoint={self.z.endpoint}: {exc!r}")
             return False
-        self.zmtp_events["connected"] += 1
-        self._zmtp_backoff = ZMTP_RETRY_S
+        self.zmtp_events["connected"] += 1  # (the backoff stays until batches come)
         log.info("zmtp connected endpoint=%s", self.z.endpoint)
         return True
 

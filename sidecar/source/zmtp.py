@@ -25,7 +25,9 @@ _SIGNATURE = b"\xff" + b"\0" * 8 + b"\x7f"
 _GREETING = _SIGNATURE + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" + b"\0" * 31
 _READ = 1 << 18  # bytes per recv_into
 _TURN_BYTES = 8 << 20  # at most this much read per call (the event loop's other work waits)
+MAX_FRAME = 256 << 20  # a larger frame is a broken or hostile peer: the connection ends
 MORE, LONG, COMMAND = 0x01, 0x02, 0x04
+_PUBLISHERS = (b"PUB", b"XPUB")  # the peers a SUB speaks to
 
 
 class ZmtpClosed(OSError):
@@ -35,7 +37,10 @@ class ZmtpClosed(OSError):
 def address(endpoint: str) -> tuple[int, str | tuple[str, int]]:
     """(family, address) of a tcp://host:port or ipc://path endpoint; ValueError otherwise."""
     if endpoint.startswith("ipc://"):
-        return socket.AF_UNIX, endpoint[len("ipc://") :]
+        path = endpoint[len("ipc://") :]
+        if path.startswith("@"):  # Linux's abstract namespace, as libzmq spells it
+            path = "\0" + path[1:]
+        return socket.AF_UNIX, path
     u = urlsplit(endpoint.replace("://*:", "://127.0.0.1:"))
     if u.scheme != "tcp" or not u.hostname or u.port is None:
         raise ValueError(f"not a tcp://host:port or ipc:// endpoint: {endpoint!r}")
@@ -58,9 +63,9 @@ class ZmtpSub:
         self.sock: socket.socket | None = None
         self._buf = bytearray()
         self._rx = bytearray(_READ)
-        self._greeted = False  # the peer's 64-byte greeting was read (connect)
         self._ready = False  # ... and its READY command
         self._frames: list[bytes] = []  # the message being read (frames so far)
+        self._more = False  # the last parse stopped at its limit (whole messages may wait)
 
     def fileno(self) -> int:
         return self.sock.fileno() if self.sock is not None else -1
@@ -98,23 +103,35 @@ class ZmtpSub:
             sock.close()
             raise
         self.sock = sock
-        self._greeted = True
 
     def close(self) -> None:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
         self._buf.clear()
-        self._greeted = self._ready = False
+        self._ready = self._more = False
         self._frames = []
 
-    def read(self, on_message: Callable[[list[bytes]], None]) -> int:
-        """Take what the socket holds (without waiting) and hand each complete message to
-        `on_message`; the number of messages. ZmtpClosed when the connection ended (what was
-        complete before it was handed over)."""
+    @property
+    def backlog(self) -> bool:
+        """Bytes read but not parsed yet (a read that stopped at its limit): the socket may
+        not turn readable again for them, so the caller reads again without a poll."""
+        return bool(self._buf) and self._more
+
+    def read(self, on_message: Callable[[list[bytes]], None], limit: int) -> int:
+        """Hand each complete message to `on_message`, at most `limit`: first those already
+        read, then what the socket holds (without waiting, at most ~8 MiB); the number of
+        messages. ZmtpClosed when the connection ended (what was complete before it was
+        handed over)."""
         sock = self.sock
         if sock is None:
             raise ZmtpClosed("not connected")
+        if self._more:
+            count = self._parsed(on_message, limit)
+            if count >= limit:
+                return count
+        else:
+            count = 0
         buf, rx = self._buf, self._rx
         got = 0
         ended: str | None = None
@@ -131,33 +148,43 @@ class ZmtpSub:
                 break
             buf += memoryview(rx)[:n]
             got += n
-        try:
-            count = self._parse(on_message)
-        except ZmtpClosed:
-            self.close()
-            raise
-        if ended is not None:
+        count += self._parsed(on_message, limit - count)
+        if ended is not None and not self._more:
             self.close()
             raise ZmtpClosed(ended)
         return count
 
-    def _parse(self, on_message: Callable[[list[bytes]], None]) -> int:
+    def _parsed(self, on_message: Callable[[list[bytes]], None], limit: int) -> int:
+        try:
+            return self._parse(on_message, limit)
+        except ZmtpClosed:
+            self.close()
+            raise
+
+    def _parse(self, on_message: Callable[[list[bytes]], None], limit: int) -> int:
         buf = self._buf
         pos, end, count = 0, len(buf), 0
         frames = self._frames
+        view = memoryview(buf)
+        self._more = False
         try:
             while pos + 2 <= end:
+                if count >= limit:
+                    self._more = True  # whole messages may wait in the buffer
+                    break
                 flags = buf[pos]
                 if flags & LONG:
                     if pos + 9 > end:
                         break
-                    size = int.from_bytes(buf[pos + 1 : pos + 9], "big")
+                    size = int.from_bytes(view[pos + 1 : pos + 9], "big")
                     head = 9
                 else:
                     size, head = buf[pos + 1], 2
+                if size > MAX_FRAME:
+                    raise ZmtpClosed(f"a frame of {size} bytes (at most {MAX_FRAME})")
                 if pos + head + size > end:
                     break
-                body = bytes(buf[pos + head : pos + head + size])
+                body = bytes(view[pos + head : pos + head + size])
                 pos += head + size
                 if flags & COMMAND:
                     self._on_command(body)
@@ -171,6 +198,7 @@ class ZmtpSub:
                     frames = self._frames
                     count += 1
         finally:
+            view.release()
             del buf[:pos]
         return count
 
@@ -179,6 +207,9 @@ class ZmtpSub:
             raise ZmtpClosed("a malformed command")
         name = body[1 : 1 + body[0]]
         if name == b"READY":
+            kind = _properties(body[1 + body[0] :]).get(b"socket-type", b"")
+            if kind.upper() not in _PUBLISHERS:
+                raise ZmtpClosed(f"the peer is a {kind.decode(errors='replace')!r} socket, not PUB")
             self._ready = True
         elif name == b"ERROR":
             raise ZmtpClosed(f"the publisher sent ERROR {body[2 + body[0] :][:80]!r}")
@@ -187,9 +218,24 @@ class ZmtpSub:
             context = body[1 + body[0] + 2 :][:16]
             pong = _command(b"PONG", context)
             try:
-                self.sock.send(pong)
+                sent = self.sock.send(pong)
             except OSError as exc:
                 raise ZmtpClosed(f"could not answer a PING: {exc!r}") from None
+            if sent != len(pong):  # half a frame would corrupt what follows
+                raise ZmtpClosed("could not answer a PING: the send buffer is full")
+
+
+def _properties(data: bytes) -> dict[bytes, bytes]:
+    """A READY's metadata: name (1-byte size), value (4-byte size), ...; lower-cased names."""
+    out: dict[bytes, bytes] = {}
+    pos = 0
+    while pos < len(data):
+        n = data[pos]
+        name = data[pos + 1 : pos + 1 + n]
+        size = int.from_bytes(data[pos + 1 + n : pos + 5 + n], "big")
+        out[name.lower()] = data[pos + 5 + n : pos + 5 + n + size]
+        pos += 5 + n + size
+    return out
 
 
 def _property(name: bytes, value: bytes) -> bytes:

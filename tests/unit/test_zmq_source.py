@@ -3,6 +3,7 @@ replay and forget rules of `Stream`, driven directly (no sockets, an injected cl
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from pathlib import Path
 from typing import Any
@@ -1036,3 +1037,43 @@ def test_zmq_source_auto_transport_is_zmtp_where_the_sidecar_connects(
     )
     src = ZmqSource(cfg, KeyState((0,)))
     assert src.transport == want and src.status()["zmq_transport"] == want
+
+
+async def test_zmtp_a_peer_that_ends_every_connection_at_once_is_retried_backing_off(
+    tmp_path: Path,
+) -> None:
+    """Review of 45d5006: a peer that completes the handshake and then ends it (a ROUTER given
+    as the live endpoint) was connected to again at once, thousands of times a second."""
+    from sidecar.source.zmtp import ZmtpSub
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    z = ZmqConfig(endpoint=f"tcp://127.0.0.1:{port}", bind=False, transport="zmtp")
+    cfg = Config(
+        publisher_type="none",
+        identity=IdentityConfig(instance_id="i"),
+        source=SourceConfig(kind="zmq", state_dir=str(tmp_path), zmq=z),
+    )
+    src = ZmqSource(cfg, KeyState((0,)), clock=lambda: 100.0)
+    conn = src.zmtp = ZmtpSub(z.endpoint, b"")
+    poller = zmq.asyncio.Poller()
+    waits = []
+    try:
+        for _ in range(5):
+            assert await src._zmtp_connect(conn)
+            sock = conn.sock
+            assert sock is not None
+            poller.register(sock, zmq.POLLIN)
+            async with asyncio.timeout(10):
+                while conn.fileno() >= 0:  # its READY says ROUTER: the connection ends
+                    src._read_zmtp(conn, poller)
+                    await asyncio.sleep(0.005)
+            waits.append(round(src._zmtp_retry_at - 100.0, 3))
+        assert waits == [0.1, 0.2, 0.4, 0.8, 1.0]
+        assert src.zmtp_events == {"connected": 5, "lost": 5}
+    finally:
+        conn.close()
+        router.close(0)
+        ctx.term()

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
 import tempfile
+import threading
 
 import pytest
 import zmq
+import zmq.asyncio
 
 from sidecar.source.zmtp import ZmtpClosed, ZmtpSub, address
 
@@ -29,7 +33,7 @@ async def _until(sub: ZmtpSub, want: int, got: list[list[bytes]], send: object =
                 pass
             finally:
                 loop.remove_reader(sub.fileno())
-            sub.read(got.append)
+            sub.read(got.append, 1024)
 
 
 def _wake(fut: asyncio.Future[None]) -> None:
@@ -89,23 +93,39 @@ async def test_ipc_and_a_publisher_that_goes_away(pub: zmq.Socket[bytes]) -> Non
     with pytest.raises(ZmtpClosed):
         async with asyncio.timeout(10):
             while True:  # EOF comes once libzmq has closed its side
-                sub.read(got.append)
+                sub.read(got.append, 1024)
                 await asyncio.sleep(0.01)
     assert sub.sock is None  # closed: the caller reconnects
 
 
-async def test_a_peer_that_is_not_zmtp_is_refused() -> None:
-    async def speak(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"HTTP/1.1 400 Bad Request\r\n" + b"x" * 80)
-        await writer.drain()
+def _one_peer(answer: bytes, read_first: int) -> tuple[int, threading.Thread]:
+    """A TCP peer (a thread) that reads `read_first` bytes, writes `answer`, then waits for
+    the client to go: a publisher that is not one, for the client's checks."""
+    srv = socket.create_server(("127.0.0.1", 0))
 
-    server = await asyncio.start_server(speak, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
+    def run() -> None:
+        conn, _ = srv.accept()
+        with conn, srv:
+            got = b""
+            while len(got) < read_first and (chunk := conn.recv(read_first - len(got))):
+                got += chunk
+            conn.sendall(answer)
+            with contextlib.suppress(ConnectionError):  # the client resets what it left unread
+                while conn.recv(4096):
+                    pass
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return srv.getsockname()[1], t
+
+
+async def test_a_peer_that_is_not_zmtp_is_refused() -> None:
+    port, t = _one_peer(b"HTTP/1.1 400 Bad Request\r\n" + b"x" * 80, 0)
     sub = ZmtpSub(f"tcp://127.0.0.1:{port}", b"")
     with pytest.raises(ZmtpClosed, match="not a ZMTP 3"):
         await sub.connect(5.0)
     assert sub.sock is None
-    server.close()
+    t.join(10)
 
 
 def test_endpoints() -> None:
@@ -113,3 +133,101 @@ def test_endpoints() -> None:
     assert address("ipc:///tmp/x")[1] == "/tmp/x"
     with pytest.raises(ValueError, match="endpoint"):
         address("inproc://x")
+
+
+async def test_a_read_stops_at_its_limit_and_says_whole_messages_wait(
+    pub: zmq.Socket[bytes],
+) -> None:
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub = ZmtpSub(f"tcp://127.0.0.1:{port}", b"")
+    await sub.connect(5.0)
+    got: list[list[bytes]] = []
+    await _until(sub, 1, got, lambda: pub.send_multipart([b"probe"]))
+    got.clear()
+    for i in range(5):
+        pub.send_multipart([b"t", bytes([i])])
+    async with asyncio.timeout(10):  # all five in our buffer, two taken
+        while not got:
+            sub.read(got.append, 2)
+            await asyncio.sleep(0.01)
+    while sub.backlog or len(got) < 5:  # the rest without the socket turning readable again
+        assert sub.read(got.append, 2) <= 2
+        async with asyncio.timeout(10):
+            await asyncio.sleep(0)
+    assert [m[1] for m in got] == [bytes([i]) for i in range(5)] and not sub.backlog
+    sub.close()
+
+
+async def test_a_peer_that_is_no_publisher_is_refused() -> None:
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)  # e.g. the replay endpoint given as the live one
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    sub = ZmtpSub(f"tcp://127.0.0.1:{port}", b"")
+    try:
+        await sub.connect(5.0)
+        with pytest.raises(ZmtpClosed, match="not PUB"):
+            async with asyncio.timeout(10):
+                while True:
+                    sub.read(lambda _m: None, 1024)
+                    await asyncio.sleep(0.01)
+    finally:
+        sub.close()
+        router.close(0)
+        ctx.term()
+
+
+async def test_a_frame_larger_than_the_bound_ends_the_connection() -> None:
+    from sidecar.source import zmtp
+
+    ready = zmtp._command(b"READY", zmtp._property(b"Socket-Type", b"PUB"))
+    long_head = bytes([zmtp.LONG]) + (1 << 40).to_bytes(8, "big")
+    port, t = _one_peer(zmtp._GREETING + ready + long_head, 64)
+    sub = ZmtpSub(f"tcp://127.0.0.1:{port}", b"")
+    await sub.connect(5.0)
+    with pytest.raises(ZmtpClosed, match="at most"):
+        async with asyncio.timeout(10):
+            while True:
+                sub.read(lambda _m: None, 1024)
+                await asyncio.sleep(0.01)
+    assert sub.sock is None
+    t.join(10)
+
+
+async def test_an_abstract_ipc_endpoint_connects(pub: zmq.Socket[bytes]) -> None:
+    name = f"kvcm-zmtp-test-{os.getpid()}"
+    pub.bind(f"ipc://@{name}")
+    sub = ZmtpSub(f"ipc://@{name}", b"")
+    await sub.connect(5.0)
+    got: list[list[bytes]] = []
+    await _until(sub, 1, got, lambda: pub.send_multipart([b"x", b"y"]))
+    assert got[0] == [b"x", b"y"]
+    sub.close()
+
+
+async def test_a_kicked_poll_leaves_the_next_poll_its_raw_socket() -> None:
+    """What the feed loop relies on (review of 45d5006): pyzmq's asyncio poller removes a raw
+    socket's reader in a callback of the turn's end, so a turn ended from outside (the source's
+    `_kick`) followed at once by the next poll lost that poll's reader, and data went unseen
+    until its timeout. The feed loop yields once after every turn (zmq.py `_feed`)."""
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    poller = zmq.asyncio.Poller()
+    poller.register(a, zmq.POLLIN)
+    loop = asyncio.get_running_loop()
+    try:
+        turn = poller.poll(10_000)
+        assert isinstance(turn, asyncio.Future)
+        loop.call_soon(turn.set_result, [])  # the kick
+        assert await turn == []
+        await asyncio.sleep(0)  # as the feed loop does (without it, this test fails)
+        turn2 = poller.poll(10_000)
+        assert isinstance(turn2, asyncio.Future)
+        for _ in range(3):
+            await asyncio.sleep(0)  # whatever the first turn left queued runs now
+        selector = loop._selector  # type: ignore[attr-defined]
+        assert a.fileno() in selector.get_map()  # the second poll still watches the socket
+        turn2.cancel()
+    finally:
+        a.close()
+        b.close()
