@@ -13,9 +13,9 @@ in turn and alternated:
          it arrives and hands it over (a wake-up of that thread per batch).
   pyzmq_events  the same, asking the socket (getsockopt EVENTS) before each message instead
          of a recv that raises zmq.Again at the end of the drain
-  zmtp   the same messages read off a plain TCP socket speaking ZMTP 3.0 (greeting, NULL
-         READY as a SUB, a subscription message), once per window: recv_into until EAGAIN and
-         split the frames in Python. No thread; a batch's arrival wakes nobody.
+  zmtp   the same messages read off a plain TCP socket speaking ZMTP 3.0, once per window,
+         by the ZMQ source's own reader (sidecar/source/zmtp.py, `source.zmq.transport`). No
+         thread; a batch's arrival wakes nobody.
 Reported per reader: its process CPU (every thread, schedstat ns) per message and per second,
 from its first message to its last; messages and bytes seen. Both readers only take the
 messages (no decode): the difference is what the transport costs the source.
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -142,64 +141,22 @@ def read_pyzmq(port: int, until: float, window_s: float, tally: Tally, kind: str
     ctx.term()
 
 
-def _frame(body: bytes, flags: int = 0) -> bytes:
-    return bytes([flags, len(body)]) + body  # short frames only (all this client sends)
-
-
 def read_zmtp(port: int, until: float, window_s: float, tally: Tally, kind: str) -> None:
-    sock = socket.create_connection(("127.0.0.1", port))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    # ZMTP 3.0 greeting: signature, version 3.0, mechanism NULL, as-server 0, filler
-    sock.sendall(
-        b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" * 32
-    )
-    got = b""
-    while len(got) < 64:
-        chunk = sock.recv(64 - len(got))
-        if not chunk:
-            raise SystemExit("publisher closed during the greeting")
-        got += chunk
-    name, value = b"Socket-Type", b"SUB"
-    ready = b"\x05READY" + bytes([len(name)]) + name + len(value).to_bytes(4, "big") + value
-    sock.sendall(_frame(ready, 0x04) + _frame(b"\x01"))  # READY, then subscribe to everything
-    sock.setblocking(False)
-    buf = bytearray()
-    rx = bytearray(1 << 18)
-    frames = 0
+    """The product's reader (sidecar/source/zmtp.py), connected once, then read per window."""
+    import asyncio
+
+    from sidecar.source.zmtp import ZmtpSub
+
+    sub = ZmtpSub(f"tcp://127.0.0.1:{port}", b"")
+    asyncio.run(sub.connect(5.0))
+    got: list[list[bytes]] = []
     print("ready", flush=True)
     while time.monotonic() < until:
         time.sleep(window_s)
-        while True:
-            try:
-                k = sock.recv_into(rx)
-            except BlockingIOError:
-                break
-            if not k:
-                raise SystemExit("publisher closed")
-            buf += memoryview(rx)[:k]
-        n = nbytes = pos = 0
-        end = len(buf)
-        while pos + 2 <= end:
-            flags = buf[pos]
-            if flags & 0x02:
-                if pos + 9 > end:
-                    break
-                size = int.from_bytes(buf[pos + 1 : pos + 9], "big")
-                head = 9
-            else:
-                size, head = buf[pos + 1], 2
-            if pos + head + size > end:
-                break
-            if not flags & 0x04:  # a command (the peer's READY, a PING) is not a message frame
-                frames += 1
-                if not flags & 0x01:  # the message's last frame: vLLM's payload
-                    n += 1
-                    nbytes += size
-            pos += head + size
-        del buf[:pos]
-        tally.got(n, nbytes)
-    sock.close()
-    del frames
+        sub.read(got.append, 1024)
+        tally.got(len(got), sum(len(m[-1]) for m in got))
+        got.clear()
+    sub.close()
 
 
 def reader(kind: str, port: int, seconds: float, window_s: float) -> None:

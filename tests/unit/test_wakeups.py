@@ -9,7 +9,8 @@ that do not exercise it make it an hour long, so only a poke can end a ride whil
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -89,13 +90,7 @@ class _Beat:
 
 
 async def test_heartbeat_rides_a_source_wake_up_and_is_not_due_again_at_once() -> None:
-    clock = Clock(100.0)
-    d = Daemon(C.load(env=ENV), asyncio.Event(), clock=clock)
-    d.rides.late_s = d.rides.share = 3600.0  # only pokes end its waits here
-    p = _Beat()
-    p.clock = clock
-    task = asyncio.create_task(d._heartbeat_loop(p))  # type: ignore[arg-type]
-    try:
+    async with _heartbeat(100.0) as (clock, d, p):
         async with asyncio.timeout(10):
             assert await p.beats.get() == 100.0  # at once
         clock.t = 100.5
@@ -115,10 +110,6 @@ async def test_heartbeat_rides_a_source_wake_up_and_is_not_due_again_at_once() -
         async with asyncio.timeout(10):
             assert await p.beats.get() == 102.04
         assert d.rides.shared == 2 and d.rides.alone == 0
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
 
 
 class _SlowBeat(_Beat):
@@ -134,16 +125,27 @@ class _SlowBeat(_Beat):
         self.clock.t += self.took
 
 
-async def test_a_heartbeat_that_took_most_of_its_interval_keeps_the_next_tick() -> None:
-    # Planned from its tick, not from when it ended (review of 77b0b69: a beat that rode in
-    # late and then took the rest of the interval, or ended within RIDE_EARLY_S of the next
-    # tick, skipped it: beats 2 s apart at a 1 s interval).
-    clock = Clock(100.0)
+@contextlib.asynccontextmanager
+async def _heartbeat(t0: float) -> AsyncIterator[tuple[Clock, Daemon, _SlowBeat]]:
+    """The daemon's heartbeat loop on a clock at `t0`, beats queued; only pokes end its waits."""
+    clock = Clock(t0)
     d = Daemon(C.load(env=ENV), asyncio.Event(), clock=clock)
     d.rides.late_s = d.rides.share = 3600.0
     p = _SlowBeat(clock, 0.0)
     task = asyncio.create_task(d._heartbeat_loop(p))  # type: ignore[arg-type]
     try:
+        yield clock, d, p
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_a_heartbeat_that_took_most_of_its_interval_keeps_the_next_tick() -> None:
+    # Planned from its tick, not from when it ended (review of 77b0b69: a beat that rode in
+    # late and then took the rest of the interval, or ended within RIDE_EARLY_S of the next
+    # tick, skipped it: beats 2 s apart at a 1 s interval).
+    async with _heartbeat(100.0) as (clock, d, p):
         async with asyncio.timeout(10):
             assert await p.beats.get() == 100.0
         p.took = 1.0 - 0.04 - RIDE_EARLY_S / 2  # rode in 40 ms late, ends a hair before 102
@@ -168,21 +170,12 @@ async def test_a_heartbeat_that_took_most_of_its_interval_keeps_the_next_tick() 
         d.work.awake()
         async with asyncio.timeout(10):
             assert await p.beats.get() == 104.0
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
 
 
 async def test_a_heartbeat_ending_just_before_a_tick_does_not_beat_again_at_once() -> None:
     # The first beat (or one slower than the interval) ends within RIDE_EARLY_S of a tick: a
     # ride for that tick would end at the next wake-up, a second beat straight after the first.
-    clock = Clock(100.999)
-    d = Daemon(C.load(env=ENV), asyncio.Event(), clock=clock)
-    d.rides.late_s = d.rides.share = 3600.0
-    p = _SlowBeat(clock, 0.0)
-    task = asyncio.create_task(d._heartbeat_loop(p))  # type: ignore[arg-type]
-    try:
+    async with _heartbeat(100.999) as (clock, d, p):
         async with asyncio.timeout(10):
             assert await p.beats.get() == 100.999
         d.work.awake()
@@ -194,10 +187,6 @@ async def test_a_heartbeat_ending_just_before_a_tick_does_not_beat_again_at_once
         d.work.awake()
         async with asyncio.timeout(10):
             assert await p.beats.get() == 102.0
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
 
 
 def test_a_short_period_bounds_how_late_its_ride_may_end() -> None:

@@ -41,6 +41,29 @@ def _wake(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+async def _subscribed(
+    pub: zmq.Socket[bytes], endpoint: str, probe: list[bytes], topic: bytes = b""
+) -> ZmtpSub:
+    """A connected peer whose subscription the PUB has taken: `probe` arrived (the PUB drops
+    what it sends before that)."""
+    sub = ZmtpSub(endpoint, topic)
+    await sub.connect(5.0)
+    got: list[list[bytes]] = []
+    await _until(sub, 1, got, lambda: pub.send_multipart(probe))
+    assert got[0] == probe
+    return sub
+
+
+async def _until_closed(sub: ZmtpSub, match: str | None = None) -> None:
+    """Read until the connection ends with ZmtpClosed (matching `match`; bounded)."""
+    with pytest.raises(ZmtpClosed, match=match):
+        async with asyncio.timeout(10):
+            while True:
+                sub.read(lambda _m: None, 1024)
+                await asyncio.sleep(0.01)
+    assert sub.sock is None  # closed: the caller reconnects
+
+
 @pytest.fixture
 def pub() -> object:
     ctx = zmq.Context()
@@ -53,11 +76,8 @@ def pub() -> object:
 
 async def test_messages_of_every_size_arrive_whole_and_in_order(pub: zmq.Socket[bytes]) -> None:
     port = pub.bind_to_random_port("tcp://127.0.0.1")
-    sub = ZmtpSub(f"tcp://127.0.0.1:{port}", b"")
-    await sub.connect(5.0)
+    sub = await _subscribed(pub, f"tcp://127.0.0.1:{port}", [b"t", b"probe"])
     got: list[list[bytes]] = []
-    await _until(sub, 1, got, lambda: pub.send_multipart([b"t", b"probe"]))
-    got.clear()
     sizes = [0, 1, 255, 256, 70_000, 3, 1 << 20]
     for i, n in enumerate(sizes):
         pub.send_multipart([b"topic", i.to_bytes(8, "big"), bytes([i]) * n])
@@ -69,11 +89,8 @@ async def test_messages_of_every_size_arrive_whole_and_in_order(pub: zmq.Socket[
 
 async def test_the_subscription_is_a_prefix_filter(pub: zmq.Socket[bytes]) -> None:
     port = pub.bind_to_random_port("tcp://127.0.0.1")
-    sub = ZmtpSub(f"tcp://127.0.0.1:{port}", b"kv")
-    await sub.connect(5.0)
+    sub = await _subscribed(pub, f"tcp://127.0.0.1:{port}", [b"kv-probe", b""], b"kv")
     got: list[list[bytes]] = []
-    await _until(sub, 1, got, lambda: pub.send_multipart([b"kv-probe", b""]))
-    got.clear()
     pub.send_multipart([b"other", b"x"])
     pub.send_multipart([b"kv@0", b"y"])
     await _until(sub, 1, got)
@@ -84,18 +101,9 @@ async def test_the_subscription_is_a_prefix_filter(pub: zmq.Socket[bytes]) -> No
 async def test_ipc_and_a_publisher_that_goes_away(pub: zmq.Socket[bytes]) -> None:
     path = os.path.join(tempfile.mkdtemp(), "pub.sock")
     pub.bind(f"ipc://{path}")
-    sub = ZmtpSub(f"ipc://{path}", b"")
-    await sub.connect(5.0)
-    got: list[list[bytes]] = []
-    await _until(sub, 1, got, lambda: pub.send_multipart([b"a", b"b", b"c"]))
-    assert got[0] == [b"a", b"b", b"c"]
+    sub = await _subscribed(pub, f"ipc://{path}", [b"a", b"b", b"c"])
     pub.close(0)
-    with pytest.raises(ZmtpClosed):
-        async with asyncio.timeout(10):
-            while True:  # EOF comes once libzmq has closed its side
-                sub.read(got.append, 1024)
-                await asyncio.sleep(0.01)
-    assert sub.sock is None  # closed: the caller reconnects
+    await _until_closed(sub)  # EOF (or a reset) once libzmq has closed its side
 
 
 def _one_peer(answer: bytes, read_first: int) -> tuple[int, threading.Thread]:
@@ -139,11 +147,8 @@ async def test_a_read_stops_at_its_limit_and_says_whole_messages_wait(
     pub: zmq.Socket[bytes],
 ) -> None:
     port = pub.bind_to_random_port("tcp://127.0.0.1")
-    sub = ZmtpSub(f"tcp://127.0.0.1:{port}", b"")
-    await sub.connect(5.0)
+    sub = await _subscribed(pub, f"tcp://127.0.0.1:{port}", [b"probe"])
     got: list[list[bytes]] = []
-    await _until(sub, 1, got, lambda: pub.send_multipart([b"probe"]))
-    got.clear()
     for i in range(5):
         pub.send_multipart([b"t", bytes([i])])
     async with asyncio.timeout(10):  # all five in our buffer, two taken
@@ -166,11 +171,7 @@ async def test_a_peer_that_is_no_publisher_is_refused() -> None:
     sub = ZmtpSub(f"tcp://127.0.0.1:{port}", b"")
     try:
         await sub.connect(5.0)
-        with pytest.raises(ZmtpClosed, match="not PUB"):
-            async with asyncio.timeout(10):
-                while True:
-                    sub.read(lambda _m: None, 1024)
-                    await asyncio.sleep(0.01)
+        await _until_closed(sub, "not PUB")
     finally:
         sub.close()
         router.close(0)
@@ -185,23 +186,14 @@ async def test_a_frame_larger_than_the_bound_ends_the_connection() -> None:
     port, t = _one_peer(zmtp._GREETING + ready + long_head, 64)
     sub = ZmtpSub(f"tcp://127.0.0.1:{port}", b"")
     await sub.connect(5.0)
-    with pytest.raises(ZmtpClosed, match="at most"):
-        async with asyncio.timeout(10):
-            while True:
-                sub.read(lambda _m: None, 1024)
-                await asyncio.sleep(0.01)
-    assert sub.sock is None
+    await _until_closed(sub, "at most")
     t.join(10)
 
 
 async def test_an_abstract_ipc_endpoint_connects(pub: zmq.Socket[bytes]) -> None:
     name = f"kvcm-zmtp-test-{os.getpid()}"
     pub.bind(f"ipc://@{name}")
-    sub = ZmtpSub(f"ipc://@{name}", b"")
-    await sub.connect(5.0)
-    got: list[list[bytes]] = []
-    await _until(sub, 1, got, lambda: pub.send_multipart([b"x", b"y"]))
-    assert got[0] == [b"x", b"y"]
+    sub = await _subscribed(pub, f"ipc://@{name}", [b"x", b"y"])
     sub.close()
 
 
