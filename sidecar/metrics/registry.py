@@ -140,6 +140,10 @@ METRICS: dict[str, tuple[str, str]] = {
         "Checkpoints not written or not loaded, by reason.",
     ),
     "kvcm_sidecar_zmq_health_failures": ("gauge", "Consecutive failed engine health probes."),
+    "kvcm_sidecar_zmq_connections": (
+        "counter",
+        "The ZMTP transport's live connection: connected, lost, connect_failed (libzmq: none).",
+    ),
     "kvcm_sidecar_key_check": (
         "gauge",
         "Per router scheme: 1 every sampled engine block hash reproduced, 0 one did not.",
@@ -393,6 +397,11 @@ def _zmq_families(src: ZmqSource) -> Iterator[Metric]:
     yield gauge("kvcm_sidecar_zmq_checkpoint_age_seconds", src.checkpoint_age_s())
     yield _by("kvcm_sidecar_zmq_checkpoint_errors", "reason", src.ckpt_errors)
     yield gauge("kvcm_sidecar_zmq_health_failures", src.health_failures)
+    yield _by(
+        "kvcm_sidecar_zmq_connections",
+        "event",
+        {e: src.zmtp_events[e] for e in ("connected", "lost", "connect_failed")},
+    )
     check = GaugeMetricFamily(
         "kvcm_sidecar_key_check", METRICS["kvcm_sidecar_key_check"][1], labels=["scheme"]
     )

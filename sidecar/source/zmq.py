@@ -53,7 +53,6 @@ WATCH_FALLBACK_S = 60.0  # the engine watch's longest sleep (health probes wake 
 ZMTP_RETRY_S = 0.1  # transport zmtp: connect again after this, doubling to ZMTP_RETRY_MAX_S
 ZMTP_RETRY_MAX_S = 1.0  # (libzmq's reconnect_ivl is 100 ms, never longer)
 ZMTP_CONNECT_S = 0.5  # connect + greeting, awaited in the feed loop
-ZMTP_LOG_S = 30.0  # a connection problem is logged at most once per reason per this
 DRAIN_BATCHES = 1024  # frames read per loop turn before folding: ~25 ms of work at 1 M blocks/s
 COALESCE_MIN_S = 0.002  # shorter coalesced waits poll instead (a timer's own granularity: 1 ms)
 
@@ -861,7 +860,6 @@ class ZmqSource:
         self._zmtp_retry_at = 0.0  # when to connect again (monotonic)
         self._zmtp_backoff = ZMTP_RETRY_S
         self._zmtp_delivered = False  # the connection in use carried a batch
-        self._zmtp_logged: dict[str, float] = {}  # reason -> last logged (once per interval)
         self.replayed_frames = 0
         self._ctx: zmq.asyncio.Context | None = None
 
@@ -1254,7 +1252,6 @@ class ZmqSource:
         # of another shape then shows as "more after the third frame" (or no third frame): it
         # and the rest of what was read with it are skipped and counted; a good batch lost
         # that way is a seq gap, which the replay repairs.
-        s = self.stream
         recv, more = sock.recv, sock.getsockopt
         nb, rcvmore = int(zmq.NOBLOCK), int(zmq.RCVMORE)
         for n_read in range(DRAIN_BATCHES):
@@ -1277,17 +1274,20 @@ class ZmqSource:
                     n += 1
                 self._bad_frame("frame_shape", n)
                 continue
-            if len(seq_b) != 8 or seq_b == END_SEQ:
-                self._bad_frame("frame_shape", 3)
-                continue
             del topic  # the SUB's prefix filter already matched it
-            s.on_live(int.from_bytes(seq_b, "big"), payload)
+            self._live(seq_b, payload)
         return DRAIN_BATCHES
+
+    def _live(self, seq_b: bytes, payload: bytes) -> None:
+        """One live batch of three frames (topic, seq, payload), either transport's."""
+        if len(seq_b) != 8 or seq_b == END_SEQ:
+            self._bad_frame("frame_shape", 3)
+            return
+        self.stream.on_live(int.from_bytes(seq_b, "big"), payload)
 
     def _read_zmtp(self, conn: ZmtpSub, poller: zmq.asyncio.Poller) -> int:
         """_read_live's work on the zmtp connection: every complete message it holds (at
         most ~8 MiB a call); a lost connection is counted, logged and retried."""
-        s = self.stream
         n_read = 0
 
         def on_message(frames: list[bytes]) -> None:
@@ -1297,11 +1297,7 @@ class ZmqSource:
             if len(frames) != 3:
                 self._bad_frame("frame_shape", len(frames))
                 return
-            seq_b = frames[1]
-            if len(seq_b) != 8 or seq_b == END_SEQ:
-                self._bad_frame("frame_shape", 3)
-                return
-            s.on_live(int.from_bytes(seq_b, "big"), frames[2])
+            self._live(frames[1], frames[2])
 
         sock = conn.sock
         try:
@@ -1316,9 +1312,9 @@ class ZmqSource:
                 self._zmtp_backoff = ZMTP_RETRY_S
                 self._zmtp_retry_at = self.clock()
             else:
-                self._zmtp_retry_at = self.clock() + self._zmtp_backoff
-                self._zmtp_backoff = min(self._zmtp_backoff * 2, ZMTP_RETRY_MAX_S)
-            self._zmtp_log("lost", f"zmtp connection lost endpoint={self.z.endpoint}: {exc}")
+                self._zmtp_back_off()
+            # (at most once per log.repeat_interval_s: sidecar/logs.py)
+            log.warning("zmtp connection lost endpoint=%s: %s", self.z.endpoint, exc)
         self._zmtp_delivered = self._zmtp_delivered or n_read > 0
         return n_read
 
@@ -1328,19 +1324,16 @@ class ZmqSource:
             await conn.connect(ZMTP_CONNECT_S)
         except (OSError, TimeoutError) as exc:
             self.zmtp_events["connect_failed"] += 1
-            self._zmtp_retry_at = self.clock() + self._zmtp_backoff
-            self._zmtp_backoff = min(self._zmtp_backoff * 2, ZMTP_RETRY_MAX_S)
-            self._zmtp_log("connect", f"zmtp connect failed endpoint={self.z.endpoint}: {exc!r}")
+            self._zmtp_back_off()
+            log.warning("zmtp connect failed endpoint=%s: %r", self.z.endpoint, exc)
             return False
         self.zmtp_events["connected"] += 1  # (the backoff stays until batches come)
         log.info("zmtp connected endpoint=%s", self.z.endpoint)
         return True
 
-    def _zmtp_log(self, reason: str, text: str) -> None:
-        now = self.clock()
-        if now - self._zmtp_logged.get(reason, -ZMTP_LOG_S) >= ZMTP_LOG_S:
-            self._zmtp_logged[reason] = now
-            log.warning("%s", text)
+    def _zmtp_back_off(self) -> None:
+        self._zmtp_retry_at = self.clock() + self._zmtp_backoff
+        self._zmtp_backoff = min(self._zmtp_backoff * 2, ZMTP_RETRY_MAX_S)
 
     def _read_replies(self, sock: zmq.Socket[bytes]) -> None:
         # At most DRAIN_BATCHES per loop turn, as for live frames: a 10 000-batch replay must

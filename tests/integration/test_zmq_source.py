@@ -542,3 +542,6 @@ async def test_zmtp_transport_reconnects_to_an_engine_started_again(zt: ZmqHarne
     await zt.converge()
     st = await zt.settle(lambda s: s["zmtp"]["connected"] >= 2 and s["state"] == "READY")
     assert st["zmtp"]["lost"] >= 1
+    text = await zt.h.metrics()
+    lost = f'kvcm_sidecar_zmq_connections_total{{event="lost"}} {float(st["zmtp"]["lost"])}'
+    assert lost in text
