@@ -27,7 +27,7 @@
 /* Raised with every change to a signature or behaviour here; compiled.py uses the module only
  * if it equals its own ACCEL_ABI, so a stale in-place build is never called with the wrong
  * arguments (it falls back to the numpy / Python forms instead). */
-#define ACCEL_ABI 24
+#define ACCEL_ABI 25
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 /* Must equal sidecar/shm_ring/layout.py's KIND_STORED / KIND_REMOVED (a test compares). */
 #define KIND_STORED 1
@@ -1576,7 +1576,78 @@ static PyObject *zmq_fold(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return PyLong_FromSsize_t(i);
 }
 
+/* zmtp_messages(buf, limit, max_frame) -> (bytes consumed, [message: [frame: bytes]]): the
+ * whole ZMTP 3 messages at the start of `buf` (a bytearray), at most `limit`, each a list of its
+ * frames (source/zmtp.py ZmtpSub._parse's loop over message frames, which goes on from where
+ * this stops). It stops, before the message that holds it, at a command frame, a frame over
+ * `max_frame` bytes, or a message not all in `buf`: the Python loop handles those. */
+static PyObject *zmtp_messages(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyByteArray_Check(args[0]) || !PyLong_Check(args[1]) ||
+        !PyLong_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "zmtp_messages(buf: bytearray, limit: int, max_frame: int)");
+        return NULL;
+    }
+    const Py_ssize_t limit = PyLong_AsSsize_t(args[1]);
+    const unsigned long long max_frame = PyLong_AsUnsignedLongLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    const unsigned char *b = (const unsigned char *)PyByteArray_AS_STRING(args[0]);
+    const Py_ssize_t end = PyByteArray_GET_SIZE(args[0]);
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    Py_ssize_t pos = 0; /* the end of the last whole message taken */
+    while (PyList_GET_SIZE(out) < limit) {
+        PyObject *frames = PyList_New(0);
+        if (frames == NULL) goto fail;
+        Py_ssize_t p = pos;
+        int whole = 0;
+        while (end - p >= 2) {
+            const unsigned char flags = b[p];
+            if (flags & 0x04) break; /* a command: the Python loop's */
+            unsigned long long size;
+            Py_ssize_t head;
+            if (flags & 0x02) {
+                if (end - p < 9) break;
+                size = 0;
+                for (int k = 1; k <= 8; k++) size = size << 8 | b[p + k];
+                head = 9;
+            } else {
+                size = b[p + 1];
+                head = 2;
+            }
+            if (size > max_frame || (unsigned long long)(end - p - head) < size) break;
+            PyObject *f = PyBytes_FromStringAndSize((const char *)b + p + head, (Py_ssize_t)size);
+            if (f == NULL || PyList_Append(frames, f) < 0) {
+                Py_XDECREF(f);
+                Py_DECREF(frames);
+                goto fail;
+            }
+            Py_DECREF(f);
+            p += head + (Py_ssize_t)size;
+            if (!(flags & 0x01)) {
+                whole = 1;
+                break;
+            }
+        }
+        if (!whole) {
+            Py_DECREF(frames);
+            break;
+        }
+        const int bad = PyList_Append(out, frames) < 0;
+        Py_DECREF(frames);
+        if (bad) goto fail;
+        pos = p;
+    }
+    PyObject *res = Py_BuildValue("(nN)", pos, out);
+    return res;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef zmq_methods[] = {
+    {"zmtp_messages", (PyCFunction)(void (*)(void))zmtp_messages, METH_FASTCALL,
+     "zmtp_messages(buf, limit, max_frame) -> (consumed, messages)"},
     {"zmq_keys", (PyCFunction)(void (*)(void))zmq_keys, METH_FASTCALL,
      "zmq_keys(pend, out, events) -> (blocks, place), None, or room needed"},
     {"zmq_count", (PyCFunction)(void (*)(void))zmq_count, METH_FASTCALL,

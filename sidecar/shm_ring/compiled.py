@@ -12,7 +12,7 @@ from types import ModuleType
 
 # What this Python code calls _accel.c with: a module built from another revision (an in-place
 # build a `git pull` left behind) is not used, or every flush would fail on its signatures.
-ACCEL_ABI = 24
+ACCEL_ABI = 25
 
 accel: ModuleType | None
 try:

@@ -1,4 +1,5 @@
-"""The ZMTP 3.0 SUB peer (sidecar/source/zmtp.py) against libzmq's real PUB socket (pyzmq)."""
+"""The ZMTP 3.0 SUB peer (sidecar/source/zmtp.py) against libzmq's real PUB socket (pyzmq), over
+its message loop in C (sidecar/shm_ring/_accel.c zmtp_messages) and in Python."""
 
 from __future__ import annotations
 
@@ -12,8 +13,13 @@ import threading
 import pytest
 import zmq
 import zmq.asyncio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from sidecar.source import zmtp
 from sidecar.source.zmtp import ZmtpClosed, ZmtpSub, address
+
+pytestmark = pytest.mark.usefixtures("accel_backend")
 
 
 async def _until(sub: ZmtpSub, want: int, got: list[list[bytes]], send: object = None) -> None:
@@ -179,8 +185,6 @@ async def test_a_peer_that_is_no_publisher_is_refused() -> None:
 
 
 async def test_a_frame_larger_than_the_bound_ends_the_connection() -> None:
-    from sidecar.source import zmtp
-
     ready = zmtp._command(b"READY", zmtp._property(b"Socket-Type", b"PUB"))
     long_head = bytes([zmtp.LONG]) + (1 << 40).to_bytes(8, "big")
     port, t = _one_peer(zmtp._GREETING + ready + long_head, 64)
@@ -223,3 +227,40 @@ async def test_a_kicked_poll_leaves_the_next_poll_its_raw_socket() -> None:
     finally:
         a.close()
         b.close()
+
+
+_frames = st.lists(st.binary(max_size=300), min_size=1, max_size=4)  # short and LONG frames
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    messages=st.lists(st.tuples(_frames, st.booleans()), max_size=12),
+    cuts=st.lists(st.integers(0, 4000), max_size=8),
+    limits=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+)
+def test_any_split_of_the_stream_gives_the_same_messages(
+    messages: list[tuple[list[bytes], bool]], cuts: list[int], limits: list[int]
+) -> None:
+    """Whole messages, in order, however the bytes arrive and whatever the read limit, with
+    PINGs between messages (commands are the Python loop's: the C loop stops at them)."""
+    ready = zmtp._command(b"READY", zmtp._property(b"Socket-Type", b"PUB"))
+    stream = bytearray(ready)
+    for frames, ping in messages:
+        if ping:
+            stream += zmtp._command(b"PING", b"\x00\x10ctx")
+        for i, f in enumerate(frames):
+            stream += zmtp._frame_head(zmtp.MORE if i < len(frames) - 1 else 0, len(f)) + f
+    sub = ZmtpSub("tcp://127.0.0.1:1", b"")  # never connected: the parser alone
+    got: list[list[bytes]] = []
+    bounds = sorted({c % (len(stream) + 1) for c in cuts} | {len(stream)})
+    start, turn = 0, 0
+    for end in bounds:
+        sub._buf += stream[start:end]
+        start = end
+        while True:  # read what is whole, `limit` at a time, as read() does
+            turn += 1
+            n = sub._parse(got.append, limits[turn % len(limits)])
+            if not sub._more or not n:
+                break
+    assert got == [frames for frames, _ping in messages]
+    assert not sub._buf and not sub._frames
