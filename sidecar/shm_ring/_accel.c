@@ -1576,11 +1576,12 @@ static PyObject *zmq_fold(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return PyLong_FromSsize_t(i);
 }
 
-/* zmtp_messages(buf, limit, max_frame) -> (bytes consumed, [message: [frame: bytes]]): the
- * whole ZMTP 3 messages at the start of `buf` (a bytearray), at most `limit`, each a list of its
- * frames (source/zmtp.py ZmtpSub._parse's loop over message frames, which goes on from where
- * this stops). It stops, before the message that holds it, at a command frame, a frame over
- * `max_frame` bytes, or a message not all in `buf`: the Python loop handles those. */
+/* zmtp_messages(buf, limit, max_frame) -> ([message: [frame: bytes]], [end: int]): the whole
+ * ZMTP 3 messages at the start of `buf` (a bytearray), at most `limit`, each a list of its
+ * frames, and the offset in `buf` where each ends (the caller drops the bytes of those it
+ * handed over: all, or up to one whose handling raised). source/zmtp.py ZmtpSub._parse's loop
+ * goes on from where this stops: before the message that holds a command frame, a frame over
+ * `max_frame` bytes, or the end of `buf`. Nothing is consumed here; `buf` is only read. */
 static PyObject *zmtp_messages(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyByteArray_Check(args[0]) || !PyLong_Check(args[1]) ||
         !PyLong_Check(args[2])) {
@@ -1593,8 +1594,8 @@ static PyObject *zmtp_messages(PyObject *self, PyObject *const *args, Py_ssize_t
     if (PyErr_Occurred()) return NULL;
     const unsigned char *b = (const unsigned char *)PyByteArray_AS_STRING(args[0]);
     const Py_ssize_t end = PyByteArray_GET_SIZE(args[0]);
-    PyObject *out = PyList_New(0);
-    if (out == NULL) return NULL;
+    PyObject *out = PyList_New(0), *ends = PyList_New(0);
+    if (out == NULL || ends == NULL) goto fail;
     Py_ssize_t pos = 0; /* the end of the last whole message taken */
     while (PyList_GET_SIZE(out) < limit) {
         PyObject *frames = PyList_New(0);
@@ -1633,21 +1634,24 @@ static PyObject *zmtp_messages(PyObject *self, PyObject *const *args, Py_ssize_t
             Py_DECREF(frames);
             break;
         }
-        const int bad = PyList_Append(out, frames) < 0;
+        PyObject *end_at = PyLong_FromSsize_t(p);
+        const int bad = end_at == NULL || PyList_Append(out, frames) < 0 ||
+                        PyList_Append(ends, end_at) < 0;
+        Py_XDECREF(end_at);
         Py_DECREF(frames);
         if (bad) goto fail;
         pos = p;
     }
-    PyObject *res = Py_BuildValue("(nN)", pos, out);
-    return res;
+    return Py_BuildValue("(NN)", out, ends);
 fail:
-    Py_DECREF(out);
+    Py_XDECREF(out);
+    Py_XDECREF(ends);
     return NULL;
 }
 
 static PyMethodDef zmq_methods[] = {
     {"zmtp_messages", (PyCFunction)(void (*)(void))zmtp_messages, METH_FASTCALL,
-     "zmtp_messages(buf, limit, max_frame) -> (consumed, messages)"},
+     "zmtp_messages(buf, limit, max_frame) -> (messages, their end offsets)"},
     {"zmq_keys", (PyCFunction)(void (*)(void))zmq_keys, METH_FASTCALL,
      "zmq_keys(pend, out, events) -> (blocks, place), None, or room needed"},
     {"zmq_count", (PyCFunction)(void (*)(void))zmq_count, METH_FASTCALL,

@@ -50,8 +50,14 @@ END_SEQ = b"\xff" * 8  # the replay end marker's seq (-1)
 MAX_HELD_LIVE = 200_000  # live batches held while a replay runs; beyond: give up, forget
 IDLE_TURN_S = 1.0  # the feed loop's longest poll (a replay the watch asks for cuts it short)
 WATCH_FALLBACK_S = 60.0  # the engine watch's longest sleep (health probes wake it)
-ZMTP_RETRY_S = 0.1  # transport zmtp: connect again after this, doubling to ZMTP_RETRY_MAX_S
-ZMTP_RETRY_MAX_S = 1.0  # (libzmq's reconnect_ivl is 100 ms, never longer)
+# Transport zmtp: a failed connect is tried again after ZMTP_RETRY_S, as libzmq's reconnect_ivl
+# (100 ms, never longer): an engine that restarts is followed within it, and what it publishes
+# before the subscription lands is the slow joiner's loss (replay repairs it; without replay it
+# stays lost, so the wait stays short). A peer that takes the connection and ends it before any
+# batch backs off instead, doubling to ZMTP_RETRY_MAX_S (it would otherwise be connected to
+# thousands of times a second).
+ZMTP_RETRY_S = 0.1
+ZMTP_RETRY_MAX_S = 1.0
 ZMTP_CONNECT_S = 0.5  # connect + greeting, awaited in the feed loop
 DRAIN_BATCHES = 1024  # frames read per loop turn before folding: ~25 ms of work at 1 M blocks/s
 COALESCE_MIN_S = 0.002  # shorter coalesced waits poll instead (a timer's own granularity: 1 ms)
@@ -1307,8 +1313,8 @@ class ZmqSource:
                 poller.unregister(sock)
             self.zmtp_events["lost"] += 1
             if n_read or self._zmtp_delivered:
-                # a connection that carried batches: connect again at once (backing off if
-                # refused); one that ended before any (a peer that closes at once) backs off
+                # a connection that carried batches: connect again at once (every ZMTP_RETRY_S
+                # while refused); one that ended before any (a peer that closes at once) backs off
                 self._zmtp_backoff = ZMTP_RETRY_S
                 self._zmtp_retry_at = self.clock()
             else:
@@ -1324,7 +1330,7 @@ class ZmqSource:
             await conn.connect(ZMTP_CONNECT_S)
         except (OSError, TimeoutError) as exc:
             self.zmtp_events["connect_failed"] += 1
-            self._zmtp_back_off()
+            self._zmtp_retry_at = self.clock() + ZMTP_RETRY_S  # (the backoff is left as it is)
             log.warning("zmtp connect failed endpoint=%s: %r", self.z.endpoint, exc)
             return False
         self.zmtp_events["connected"] += 1  # (the backoff stays until batches come)

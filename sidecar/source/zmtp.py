@@ -30,6 +30,7 @@ _READ = 1 << 18  # bytes per recv_into
 _TURN_BYTES = 8 << 20  # at most this much read per call (the event loop's other work waits)
 MAX_FRAME = 256 << 20  # a larger frame is a broken or hostile peer: the connection ends
 MORE, LONG, COMMAND = 0x01, 0x02, 0x04
+_REREAD_FRAMES = 16  # a message cut by a read is parsed again whole (up to this many frames)
 _PUBLISHERS = (b"PUB", b"XPUB")  # the peers a SUB speaks to
 
 
@@ -173,13 +174,19 @@ class ZmtpSub:
             # The steady state in one C call: the whole messages of data frames at the front
             # (~5 us of this loop per message, cold); it stops where this loop has work (a
             # command, an oversized frame, a message not all here), which goes on from there.
-            taken, messages = accel.zmtp_messages(buf, limit, MAX_FRAME)
-            del buf[:taken]
-            for message in messages:
-                on_message(message)
+            messages, ends = accel.zmtp_messages(buf, limit, MAX_FRAME)
+            done = 0
+            try:
+                for message in messages:
+                    done += 1
+                    on_message(message)
+            finally:  # (one that raised is taken, as below; those after it stay)
+                if done:
+                    del buf[: ends[done - 1]]
             count = len(messages)
         pos, end = 0, len(buf)
         frames = self._frames
+        start = -1 if frames else 0  # where the message being read began (-1: not in buf)
         view = memoryview(buf)
         try:
             while pos + 2 <= end:
@@ -202,6 +209,7 @@ class ZmtpSub:
                 pos += head + size
                 if flags & COMMAND:
                     self._on_command(body)
+                    start = -1 if frames else pos  # (one inside a message is not read twice)
                     continue
                 if not self._ready:
                     raise ZmtpClosed("a message before the peer's READY")
@@ -211,6 +219,12 @@ class ZmtpSub:
                     on_message(frames)
                     frames = self._frames
                     count += 1
+                    start = pos
+            if frames and start >= 0 and len(frames) <= _REREAD_FRAMES:
+                # A message not all here yet stays in the buffer, whole: the next read takes
+                # it with what follows, in C, instead of going on frame by frame here.
+                frames.clear()
+                pos = start
         finally:
             view.release()
             del buf[:pos]

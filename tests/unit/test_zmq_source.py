@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -1077,3 +1078,32 @@ async def test_zmtp_a_peer_that_ends_every_connection_at_once_is_retried_backing
         conn.close()
         router.close(0)
         ctx.term()
+
+
+async def test_zmtp_a_refused_connect_is_tried_again_every_100_ms_as_libzmq_does(
+    tmp_path: Path,
+) -> None:
+    """An engine restarting: its port refuses until it binds. The retry stays at libzmq's
+    reconnect_ivl (no backoff to 1 s), so the new engine is followed within 0.1 s of its bind;
+    a peer that ended a connection before any batch keeps the backoff it earned."""
+    from sidecar.source.zmtp import ZmtpSub
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    z = ZmqConfig(endpoint=f"tcp://127.0.0.1:{port}", bind=False, transport="zmtp")
+    cfg = Config(
+        publisher_type="none",
+        identity=IdentityConfig(instance_id="i"),
+        source=SourceConfig(kind="zmq", state_dir=str(tmp_path), zmq=z),
+    )
+    src = ZmqSource(cfg, KeyState((0,)), clock=lambda: 100.0)
+    conn = src.zmtp = ZmtpSub(z.endpoint, b"")
+    src._zmtp_backoff = 0.8  # earned from a peer that closed at once
+    waits = []
+    for _ in range(4):
+        assert not await src._zmtp_connect(conn)
+        waits.append(round(src._zmtp_retry_at - 100.0, 3))
+    assert waits == [0.1] * 4
+    assert src.zmtp_events == {"connect_failed": 4}
+    assert src._zmtp_backoff == 0.8

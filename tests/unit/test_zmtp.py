@@ -230,28 +230,47 @@ async def test_a_kicked_poll_leaves_the_next_poll_its_raw_socket() -> None:
 
 
 _frames = st.lists(st.binary(max_size=300), min_size=1, max_size=4)  # short and LONG frames
+_READY = zmtp._command(b"READY", zmtp._property(b"Socket-Type", b"PUB"))
+_PING = zmtp._command(b"PING", b"\x00\x10ctx")
 
 
-@settings(max_examples=150, deadline=None)
+class _Refused(Exception):
+    """What a message handler raises in the tests below."""
+
+
+def _encoded(frames: list[bytes], ping_inside: bool = False) -> bytes:
+    out = b""
+    for i, f in enumerate(frames):
+        if ping_inside and i == 1:
+            out += _PING  # a command between two frames of one message
+        out += zmtp._frame_head(zmtp.MORE if i < len(frames) - 1 else 0, len(f)) + f
+    return out
+
+
+@settings(max_examples=200, deadline=None)
 @given(
-    messages=st.lists(st.tuples(_frames, st.booleans()), max_size=12),
+    messages=st.lists(st.tuples(_frames, st.sampled_from(["", "before", "inside"])), max_size=12),
     cuts=st.lists(st.integers(0, 4000), max_size=8),
     limits=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    refuse=st.sets(st.integers(0, 11), max_size=3),
 )
 def test_any_split_of_the_stream_gives_the_same_messages(
-    messages: list[tuple[list[bytes], bool]], cuts: list[int], limits: list[int]
+    messages: list[tuple[list[bytes], str]], cuts: list[int], limits: list[int], refuse: set[int]
 ) -> None:
-    """Whole messages, in order, however the bytes arrive and whatever the read limit, with
-    PINGs between messages (commands are the Python loop's: the C loop stops at them)."""
-    ready = zmtp._command(b"READY", zmtp._property(b"Socket-Type", b"PUB"))
-    stream = bytearray(ready)
+    """Whole messages, each once and in order, however the bytes arrive, whatever the read
+    limit, with PINGs between messages and inside one (commands are the Python loop's: the C
+    loop stops at them), and when the handler raises on some (the rest still come)."""
+    stream = bytearray(_READY)
     for frames, ping in messages:
-        if ping:
-            stream += zmtp._command(b"PING", b"\x00\x10ctx")
-        for i, f in enumerate(frames):
-            stream += zmtp._frame_head(zmtp.MORE if i < len(frames) - 1 else 0, len(f)) + f
+        stream += (_PING if ping == "before" else b"") + _encoded(frames, ping == "inside")
     sub = ZmtpSub("tcp://127.0.0.1:1", b"")  # never connected: the parser alone
     got: list[list[bytes]] = []
+
+    def on_message(m: list[bytes]) -> None:
+        got.append(m)
+        if len(got) - 1 in refuse:
+            raise _Refused
+
     bounds = sorted({c % (len(stream) + 1) for c in cuts} | {len(stream)})
     start, turn = 0, 0
     for end in bounds:
@@ -259,8 +278,34 @@ def test_any_split_of_the_stream_gives_the_same_messages(
         start = end
         while True:  # read what is whole, `limit` at a time, as read() does
             turn += 1
-            n = sub._parse(got.append, limits[turn % len(limits)])
+            try:
+                n = sub._parse(on_message, limits[turn % len(limits)])
+            except _Refused:
+                continue  # that message was taken; what follows it is still there
             if not sub._more or not n:
                 break
     assert got == [frames for frames, _ping in messages]
     assert not sub._buf and not sub._frames
+
+
+def test_a_message_cut_by_a_read_waits_whole_in_the_buffer() -> None:
+    """Its first frames are not taken one by one: the next read parses it whole (in C)."""
+    sub = ZmtpSub("tcp://127.0.0.1:1", b"")
+    msg = _encoded([b"topic", bytes(8), b"x" * 1000])
+    sub._buf += _READY + msg[:600]
+    got: list[list[bytes]] = []
+    assert sub._parse(got.append, 10) == 0
+    assert not got and not sub._frames and bytes(sub._buf) == msg[:600]
+    sub._buf += msg[600:] + msg
+    assert sub._parse(got.append, 10) == 2
+    assert got == [[b"topic", bytes(8), b"x" * 1000]] * 2 and not sub._buf
+
+
+def test_an_oversized_frame_after_good_messages_ends_the_connection_after_them() -> None:
+    sub = ZmtpSub("tcp://127.0.0.1:1", b"")
+    huge = bytes([zmtp.LONG]) + (zmtp.MAX_FRAME + 1).to_bytes(8, "big")
+    sub._buf += _READY + _encoded([b"a"]) + _encoded([b"b", b"c"]) + huge
+    got: list[list[bytes]] = []
+    with pytest.raises(ZmtpClosed, match="at most"):
+        sub._parse(got.append, 10)
+    assert got == [[b"a"], [b"b", b"c"]]
