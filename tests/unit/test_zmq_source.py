@@ -1040,17 +1040,10 @@ def test_zmq_source_auto_transport_is_zmtp_where_the_sidecar_connects(
     assert src.transport == want and src.status()["zmq_transport"] == want
 
 
-async def test_zmtp_a_peer_that_ends_every_connection_at_once_is_retried_backing_off(
-    tmp_path: Path,
-) -> None:
-    """Review of 45d5006: a peer that completes the handshake and then ends it (a ROUTER given
-    as the live endpoint) was connected to again at once, thousands of times a second."""
+def _zmtp_source(tmp_path: Path, port: int) -> tuple[ZmqSource, Any]:
+    """A zmtp source on 127.0.0.1:port at clock 100.0, with its (unconnected) connection."""
     from sidecar.source.zmtp import ZmtpSub
 
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
     z = ZmqConfig(endpoint=f"tcp://127.0.0.1:{port}", bind=False, transport="zmtp")
     cfg = Config(
         publisher_type="none",
@@ -1059,6 +1052,19 @@ async def test_zmtp_a_peer_that_ends_every_connection_at_once_is_retried_backing
     )
     src = ZmqSource(cfg, KeyState((0,)), clock=lambda: 100.0)
     conn = src.zmtp = ZmtpSub(z.endpoint, b"")
+    return src, conn
+
+
+async def test_zmtp_a_peer_that_ends_every_connection_at_once_is_retried_backing_off(
+    tmp_path: Path,
+) -> None:
+    """Review of 45d5006: a peer that completes the handshake and then ends it (a ROUTER given
+    as the live endpoint) was connected to again at once, thousands of times a second."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    src, conn = _zmtp_source(tmp_path, port)
     poller = zmq.asyncio.Poller()
     waits = []
     try:
@@ -1086,19 +1092,10 @@ async def test_zmtp_a_refused_connect_is_tried_again_every_100_ms_as_libzmq_does
     """An engine restarting: its port refuses until it binds. The retry stays at libzmq's
     reconnect_ivl (no backoff to 1 s), so the new engine is followed within 0.1 s of its bind;
     a peer that ended a connection before any batch keeps the backoff it earned."""
-    from sidecar.source.zmtp import ZmtpSub
-
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    z = ZmqConfig(endpoint=f"tcp://127.0.0.1:{port}", bind=False, transport="zmtp")
-    cfg = Config(
-        publisher_type="none",
-        identity=IdentityConfig(instance_id="i"),
-        source=SourceConfig(kind="zmq", state_dir=str(tmp_path), zmq=z),
-    )
-    src = ZmqSource(cfg, KeyState((0,)), clock=lambda: 100.0)
-    conn = src.zmtp = ZmtpSub(z.endpoint, b"")
+    src, conn = _zmtp_source(tmp_path, port)
     src._zmtp_backoff = 0.8  # earned from a peer that closed at once
     waits = []
     for _ in range(4):
