@@ -93,6 +93,8 @@ class Harness:
             bootstrap=True, event_report=self.event_report, state_file=tmp / "kvcm.json"
         )
         self.runner: web.AppRunner | None = None
+        self.listener: asyncio.Server | None = None
+        self.handlers: list[web.RequestHandler] = []
         self.port = 0
         self.session: aiohttp.ClientSession | None = None
         self.engine: EngineProc | None = None
@@ -107,8 +109,20 @@ class Harness:
     async def start_server(self) -> None:
         self.runner = web.AppRunner(self.server.app())
         await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-        self.port = self.runner.addresses[0][1]
+        # The listener is ours, not a TCPSite's, so every connection it accepts is known and
+        # stop_server can close it (see there).
+        web_server = self.runner.server
+        assert web_server is not None
+        handlers = self.handlers
+
+        def accept() -> web.RequestHandler:
+            handler = web_server()
+            handlers.append(handler)
+            return handler
+
+        loop = asyncio.get_running_loop()
+        self.listener = await loop.create_server(accept, "127.0.0.1", self.port)
+        self.port = self.listener.sockets[0].getsockname()[1]
         if self.session is None:
             self.session = aiohttp.ClientSession()
 
@@ -120,8 +134,27 @@ class Harness:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(10):
                     await self.server.faults.settled.wait()
+            await self._close_listener()
             await self.runner.cleanup()
+            left = [h for h in self.handlers if h.transport is not None]
+            assert not left, f"{len(left)} server connections outlived the shutdown"
+            self.handlers.clear()
             self.runner = None
+
+    async def _close_listener(self) -> None:
+        """Stop accepting, let the accepts already made finish, then close. Python 3.11 loses
+        a connection accepted in the turn before Server.close(): its transport fails to attach
+        to the closed server and its socket is left open for the GC (the peer hangs; CI failed
+        on the unraisable ResourceWarning). An accept's transport is made one turn after the
+        accept and meets its protocol one turn later, so three turns after the last accept
+        every connection is registered with aiohttp, whose cleanup() then closes it."""
+        assert self.listener is not None
+        loop = asyncio.get_running_loop()
+        for sock in self.listener.sockets:
+            loop.remove_reader(sock.fileno())
+        for _ in range(3):
+            await asyncio.sleep(0)
+        self.listener.close()
 
     async def restart_server(self) -> None:
         """A KVCM restart: instances and blocks persist (state file); reporters do not."""
