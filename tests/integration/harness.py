@@ -109,8 +109,9 @@ class Harness:
     async def start_server(self) -> None:
         self.runner = web.AppRunner(self.server.app())
         await self.runner.setup()
-        # The listener is ours, not a TCPSite's, so every connection it accepts is known and
-        # stop_server can close it (see there).
+        # The listener is ours, not a TCPSite's: stop_server must stop it accepting before it
+        # closes (see _close_listener), and the handlers it records let the stop check that
+        # none outlived it.
         web_server = self.runner.server
         assert web_server is not None
         handlers = self.handlers
