@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import select
 import socket
 import time
 from typing import Any
@@ -55,19 +56,19 @@ class _Conn:
         # that really suspends sets a timer for it (at engine pace none does: one timer fewer
         # per request)
         self.deadline: float | None = None
+        # Asked once per request whether the idle connection is still good: a poll(0), not a
+        # MSG_PEEK recv, whose usual answer (nothing there) is a BlockingIOError built with its
+        # strerror every flush window (~4 % of the sidecar's CPU at engine pace, perf).
+        self._idle_poll = select.poll()
+        self._idle_poll.register(sock, select.POLLIN)
 
     def reusable(self) -> bool:
-        """An idle connection may carry the next request: nothing unread, not closed by the
-        peer meanwhile (a peek: EOF or stray bytes mean no)."""
+        """An idle connection may carry the next request: nothing unread, not closed or reset
+        by the peer meanwhile. Any readiness of an idle socket (EOF, an error, stray bytes)
+        means no: none of them is the next request's answer."""
         if self.closed or self.buf:
             return False
-        try:
-            self.sock.recv(1, socket.MSG_PEEK)
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
-        return False
+        return not self._idle_poll.poll(0)
 
     def send(self, head: bytes, body: bytes | memoryview) -> memoryview | None:
         """Write what the socket takes now; the rest (None: all sent) for `sock_sendall`."""

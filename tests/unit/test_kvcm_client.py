@@ -486,3 +486,49 @@ async def test_lean_closed_client_keeps_no_connection_of_a_request_in_flight() -
     finally:
         server.close()
         await server.wait_closed()
+
+
+class _Counted(_Prompt):
+    """_Prompt that keeps every connection it accepted, and says when one is lost."""
+
+    conns: list[_Counted] = []
+
+    def __init__(self, wrote: asyncio.Event) -> None:
+        super().__init__(wrote)
+        self.lost = asyncio.Event()
+        _Counted.conns.append(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost.set()
+
+
+@pytest.mark.parametrize("meanwhile", ["peer_closed", "stray_bytes"])
+async def test_lean_idle_connection_spoiled_meanwhile_is_not_reused(meanwhile: str) -> None:
+    """An idle connection that the manager closed, or on which bytes nobody asked for came,
+    is not the next request's: that one goes out on a new connection and gets its own answer
+    (a reused one would read the stray 503 as its answer, or fail on the closed socket)."""
+    _Counted.conns.clear()
+    wrote = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _Counted(wrote), "127.0.0.1", 0)
+    lean = Http1(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    try:
+        assert await asyncio.wait_for(lean.post("/api/reportEvent", b"{}", 4096), 10) == (
+            200,
+            _Prompt.BODY,
+        )
+        assert len(lean._idle) == 1 and len(_Counted.conns) == 1
+        first = _Counted.conns[0]
+        if meanwhile == "peer_closed":
+            first.transport.close()
+            await asyncio.wait_for(first.lost.wait(), 10)  # its FIN is on the client's socket
+        else:  # written at once on loopback: on the client's socket when write() returns
+            first.transport.write(b"HTTP/1.1 503 Busy\r\nContent-Length: 0\r\n\r\n")
+        got = await asyncio.wait_for(lean.post("/api/reportEvent", b"{}", 4096), 10)
+        assert got == (200, _Prompt.BODY)
+        assert len(_Counted.conns) == 2  # a new connection
+        assert len(lean._idle) == 1  # the spoiled one closed, not kept
+    finally:
+        lean.close()
+        server.close()
+        await server.wait_closed()
